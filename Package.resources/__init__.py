@@ -1,0 +1,1 @@
+"""Data shipped with ondevice (model catalog, default draft weights, icons)."""

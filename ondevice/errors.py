@@ -1,0 +1,25 @@
+"""Errors a user can act on. The CLI prints their message without a traceback."""
+
+
+class OndeviceError(Exception):
+    """Base class: the message says what is wrong and what to do."""
+
+
+class ModelFormatError(OndeviceError):
+    """A checkpoint, config or weight file is missing, truncated or inconsistent."""
+
+
+class ModelNotFoundError(OndeviceError):
+    """A model name resolves to nothing that can be loaded (locally or, when online, on the hub)."""
+
+
+class TokenizerMismatchError(OndeviceError):
+    """Draft and verifier tokenizers disagree."""
+
+
+class ContextLengthError(OndeviceError):
+    """The prompt (plus the requested tokens) does not fit the model's context."""
+
+
+class BundleError(OndeviceError):
+    """A pair bundle is missing, corrupted or of an unknown format version."""

@@ -1,0 +1,66 @@
+"""Models: configs, the MLX transformer, KV cache, weights, tokenizers, name resolution."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ondevice.errors import ModelFormatError
+from ondevice.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from ondevice.models.hub import resolve
+from ondevice.models.tokenizer import Tokenizer
+from ondevice.models.transformer import Model
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "Model", "ModelConfig", "Tokenizer", "load_model"]
+
+
+@dataclass
+class LoadedModel:
+    model: Model
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: Path
+
+
+def load_model(
+    name: str | Path,
+    *,
+    dtype: str | None = None,
+    quantize: int | None = None,
+) -> LoadedModel:
+    """Load a model from a local HF folder, a GGUF file, a cached name or a hub id."""
+    from ondevice.models.weights import build_model, read_safetensors_dir
+
+    path = resolve(name)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelFormatError(f"{path}: expected a .gguf file or a model folder.")
+        from ondevice.models.gguf import load_gguf
+
+        cfg, weights, tok = load_gguf(path)
+        model = build_model(cfg, weights, dtype=dtype, quantize=quantize, source=str(path))
+        return LoadedModel(model, cfg, tok, path)
+    if not (path / "config.json").exists():
+        raise ModelFormatError(
+            f"{path}: no config.json. A model folder needs config.json, *.safetensors and "
+            "tokenizer.json (a Hugging Face checkpoint), or pass a .gguf file."
+        )
+    cfg = ModelConfig.from_file(path / "config.json")
+    _check_extra_fields(path / "config.json", cfg)
+    weights = read_safetensors_dir(path)
+    model = build_model(cfg, weights, dtype=dtype, quantize=quantize, source=str(path))
+    tok = Tokenizer.from_dir(path, eos_token_ids=cfg.eos_token_id)
+    return LoadedModel(model, cfg, tok, path)
+
+
+def _check_extra_fields(path: Path, cfg: ModelConfig) -> None:
+    """Reject config features the transformer does not implement, rather than misbehave."""
+    raw = json.loads(path.read_text())
+    if raw.get("mlp_bias"):
+        raise ModelFormatError(f"{path}: mlp_bias=true is not supported.")
+    if cfg.model_type == "mistral" and raw.get("sliding_window") not in (None, 0) and raw.get(
+        "sliding_window", 0
+    ) < raw.get("max_position_embeddings", 0):
+        # Sliding-window attention only differs beyond the window; we cap the context there.
+        cfg.max_position_embeddings = min(cfg.max_position_embeddings, int(raw["sliding_window"]))

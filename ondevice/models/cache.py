@@ -1,0 +1,104 @@
+"""KV cache with O(1) rollback and keep-a-subset for token trees.
+
+Keys and values live in preallocated buffers indexed by position (as in gpt-fast): rolling back
+is just moving `offset` back, and rejected entries are overwritten by the next append.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+_STEP = 256  # buffers grow in steps of this many positions
+
+
+class LayerCache:
+    """Keys and values of one attention layer: shape (B, n_kv_heads, positions, head_dim)."""
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        n = keys.shape[2]
+        end = self.offset + n
+        if self.keys is None or end > self.keys.shape[2]:
+            self._grow(keys, values, end)
+        self.keys[..., self.offset : end, :] = keys
+        self.values[..., self.offset : end, :] = values
+        self.offset = end
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
+        B, H, _, Dk = keys.shape
+        Dv = values.shape[3]
+        size = ((needed + _STEP - 1) // _STEP) * _STEP
+        new_k = mx.zeros((B, H, size, Dk), keys.dtype)
+        new_v = mx.zeros((B, H, size, Dv), values.dtype)
+        if self.keys is not None and self.offset:
+            new_k[..., : self.offset, :] = self.keys[..., : self.offset, :]
+            new_v[..., : self.offset, :] = self.values[..., : self.offset, :]
+        self.keys, self.values = new_k, new_v
+
+    def trim(self, n: int) -> None:
+        self.offset -= min(max(n, 0), self.offset)
+
+    def keep(self, n_recent: int, indices: Sequence[int]) -> None:
+        """Of the last `n_recent` entries keep those at `indices` (relative, increasing), in order."""
+        start = self.offset - n_recent
+        idx = list(indices)
+        if idx == list(range(len(idx))):  # a prefix: plain rollback, no copy
+            self.offset = start + len(idx)
+            return
+        if idx:
+            src = mx.array([start + i for i in idx])
+            k = mx.take(self.keys, src, axis=2)
+            v = mx.take(self.values, src, axis=2)
+            self.keys[..., start : start + len(idx), :] = k
+            self.values[..., start : start + len(idx), :] = v
+        self.offset = start + len(idx)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+
+class KVCache:
+    """The cache of a whole model: one `LayerCache` per layer, all at the same offset."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.layers = [LayerCache() for _ in range(num_layers)]
+
+    def __getitem__(self, i: int) -> LayerCache:
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def offset(self) -> int:
+        return self.layers[0].offset if self.layers else 0
+
+    def trim(self, n: int) -> None:
+        """Forget the last `n` positions (O(1))."""
+        for c in self.layers:
+            c.trim(n)
+
+    def keep(self, n_recent: int, indices: Sequence[int]) -> None:
+        """Of the last `n_recent` appended positions keep only `indices` (increasing), in order.
+
+        After this the cache is as if only the kept tokens had been appended after the prefix.
+        """
+        indices = list(indices)
+        if any(b <= a for a, b in zip(indices, indices[1:])) or (
+            indices and not 0 <= indices[0] <= indices[-1] < n_recent
+        ):
+            raise ValueError(f"keep: indices must be increasing and within [0, {n_recent})")
+        for c in self.layers:
+            c.keep(n_recent, indices)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for c in self.layers for a in c.state]

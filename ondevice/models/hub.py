@@ -1,0 +1,72 @@
+"""Resolve a model name to files on disk: a local folder, a GGUF file, a pair bundle, a cached
+model, or (only when nothing local matches) a Hugging Face hub id."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ondevice.errors import ModelNotFoundError
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+
+
+def cache_dir() -> Path:
+    """Where ondevice keeps models and bundles: $ONDEVICE_HOME or the platform cache folder."""
+    env = os.environ.get("ONDEVICE_HOME")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("ondevice", appauthor=False))
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~", "/"))
+
+
+def resolve(name: str | os.PathLike) -> Path:
+    """A local path for `name`: the path itself, a cached model of that name, or a hub download."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    s = str(name)
+    cached = cache_dir() / "models" / s.replace("/", "--")
+    if cached.exists():
+        return _single_gguf(cached)
+    if not _looks_like_hub_id(s):
+        raise ModelNotFoundError(
+            f"{s!r}: no such file or folder, and not a Hugging Face hub id (owner/name). "
+            "Pass a local model folder, a .gguf file or a bundle, or fetch one with `ondevice pull`."
+        )
+    return _download(s)
+
+
+def _single_gguf(path: Path) -> Path:
+    """A cached model folder that only holds a GGUF file resolves to that file."""
+    if (path / "config.json").exists() or (path / "manifest.json").exists():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    return ggufs[0] if len(ggufs) == 1 else path
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # offline, unknown repo, gated repo, ...
+        offline = type(e).__name__ in (
+            "LocalEntryNotFoundError",
+            "ConnectionError",
+            "OfflineModeIsEnabled",
+        ) or "connect" in str(e).lower()
+        if offline:
+            raise ModelNotFoundError(
+                f"{repo_id!r} is not on this machine and the Hugging Face hub cannot be reached. "
+                f"Copy the model folder here and pass its path, or run `ondevice pull {repo_id}` "
+                "on a machine that is online (then copy the cache folder "
+                f"{cache_dir()})."
+            ) from None
+        raise ModelNotFoundError(f"{repo_id!r}: could not be fetched from the Hugging Face hub ({e}).") from None

@@ -1,0 +1,215 @@
+"""Llama-family decoder in MLX: llama, mistral, qwen2 (q/k/v biases), qwen3 (q/k norms).
+
+The forward pass takes explicit positions and any additive attention mask, so the same module
+scores a plain chain of tokens and a token tree (one pass, per-node positions, tree mask).
+Parameter names follow Hugging Face, so `mlx_lm.load` reads the weights we write.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ondevice.models.cache import KVCache, LayerCache
+from ondevice.models.config import ModelConfig
+
+
+def rope_wavelengths(cfg: ModelConfig) -> tuple[mx.array, float]:
+    """Per-pair RoPE wavelengths (`freqs` of `mx.fast.rope`) and the position scale."""
+    dims = cfg.head_dim
+    freqs = cfg.rope_theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    scale = 1.0
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        scale = 1.0 / float(rs["factor"])
+    elif kind == "llama3":
+        factor = float(rs["factor"])
+        low = float(rs.get("low_freq_factor", 1.0))
+        high = float(rs.get("high_freq_factor", 4.0))
+        old_ctx = float(rs.get("original_max_position_embeddings", 8192))
+        wavelens = 2 * math.pi * freqs
+        scaled = mx.where(wavelens > old_ctx / low, freqs * factor, freqs)
+        medium = (wavelens > old_ctx / high) & (wavelens < old_ctx / low)
+        smooth = (old_ctx / wavelens - low) / (high - low)
+        smooth_freqs = scaled / ((1 - smooth) / factor + smooth)
+        freqs = mx.where(medium, smooth_freqs, scaled)
+    return freqs, scale
+
+
+class RoPE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dims = cfg.head_dim
+        self.traditional = cfg.rope_traditional
+        self._freqs, self._scale = rope_wavelengths(cfg)
+
+    def __call__(self, x: mx.array, offset: int, positions: mx.array | None) -> mx.array:
+        if positions is None:
+            return mx.fast.rope(
+                x,
+                self.dims,
+                traditional=self.traditional,
+                base=None,
+                scale=self._scale,
+                offset=offset,
+                freqs=self._freqs,
+            )
+        # Arbitrary per-token positions (token trees): positions has shape (L,) or (B, L).
+        pos = positions.astype(mx.float32) * self._scale
+        if pos.ndim == 2:
+            pos = pos[:, None, :, None]  # (B, 1, L, 1)
+        else:
+            pos = pos[:, None]  # (L, 1)
+        theta = pos / self._freqs
+        cos, sin = mx.cos(theta).astype(x.dtype), mx.sin(theta).astype(x.dtype)
+        if self.traditional:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            r1, r2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+            return mx.stack([r1, r2], axis=-1).reshape(x.shape)
+        half = self.dims // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        bias = cfg.attention_bias
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rope = RoPE(cfg)
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: mx.array | str | None,
+        cache: LayerCache | None,
+        positions: mx.array | None,
+    ) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q = self.rope(q, offset, positions)
+        k = self.rope(k, offset, positions)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, x, mask, cache, positions):
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache, positions)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [Block(cfg) for _ in range(cfg.num_hidden_layers)]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+class Model(nn.Module):
+    """A causal LM. Call with token ids of shape (B, L) or (L,)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def layers(self) -> list[Block]:
+        return self.model.layers
+
+    def make_cache(self) -> KVCache:
+        return KVCache(len(self.model.layers))
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        cache: KVCache | None = None,
+        *,
+        positions: mx.array | None = None,
+        mask: mx.array | None = None,
+        return_hidden: bool = False,
+    ) -> mx.array | tuple[mx.array, mx.array]:
+        """Logits (B, L, vocab) for `tokens`, appended to `cache` if given.
+
+        positions: per-token positions, shape (L,) or (B, L); default: the next L positions
+            after the cache (a plain continuation).
+        mask: additive attention mask over the new tokens, shape (L, L), or over the whole
+            context, shape (L, cache_len + L) (or broadcastable with a leading (B, heads));
+            default: causal.
+        return_hidden: also return the final hidden states (after the last norm), (B, L, D).
+        """
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        h = self.model.embed_tokens(tokens)
+        L = tokens.shape[1]
+        prefix = cache.offset if cache is not None else 0
+        attn_mask = _attention_mask(mask, L, prefix, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, attn_mask, cache[i] if cache is not None else None, positions)
+        h = self.model.norm(h)
+        if self.config.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)
+        return (logits, h) if return_hidden else logits
+
+
+def _attention_mask(mask: mx.array | None, L: int, prefix: int, dtype) -> mx.array | str | None:
+    if mask is None:
+        return "causal" if L > 1 else None
+    mask = mask.astype(dtype)
+    if mask.shape[-1] == L and prefix > 0:
+        zeros = mx.zeros((*mask.shape[:-1], prefix), dtype)
+        mask = mx.concatenate([zeros, mask], axis=-1)
+    return mask
+
+
+def causal_mask(L: int) -> mx.array:
+    """Additive causal mask over L new tokens (0 where visible, -inf elsewhere)."""
+    i = mx.arange(L)
+    return mx.where(i[:, None] >= i[None], 0.0, -mx.inf)

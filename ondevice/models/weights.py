@@ -1,0 +1,160 @@
+"""Weights: read safetensors (sharded or not), build a model from them, quantize, save.
+
+The saved layout (config.json + model.safetensors with Hugging Face names, MLX quantization
+recorded in config.json the way mlx_lm does) is read by `mlx_lm.load` as well.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ondevice.errors import ModelFormatError
+from ondevice.models.config import ModelConfig
+from ondevice.models.transformer import Model
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def read_safetensors_dir(path: Path) -> dict[str, mx.array]:
+    """All tensors of a Hugging Face directory, following `model.safetensors.index.json`."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelFormatError(f"{index}: not a valid safetensors index ({e}).") from None
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(
+            f"{path}: no *.safetensors weight files. Download the model's weights into this folder."
+        )
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        if not f.exists():
+            raise ModelFormatError(
+                f"{f}: weight file listed in {index.name} is missing; download it again."
+            )
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:
+            raise ModelFormatError(
+                f"{f}: cannot read weight file ({e}); it is probably truncated or corrupt. "
+                "Download it again."
+            ) from None
+    return weights
+
+
+def _quant_params(cfg: ModelConfig, path: str) -> dict[str, int] | None:
+    q = cfg.quantization
+    if not q:
+        return None
+    if path in q:
+        p = q[path]
+        return None if p is False else {"group_size": p["group_size"], "bits": p["bits"]}
+    if "bits" in q:
+        return {"group_size": q["group_size"], "bits": q["bits"]}
+    return None
+
+
+def build_model(
+    cfg: ModelConfig,
+    weights: dict[str, mx.array],
+    *,
+    dtype: str | None = None,
+    quantize: int | None = None,
+    source: str = "weights",
+) -> Model:
+    """A model with `weights` loaded, checked tensor by tensor against the config."""
+    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    model = Model(cfg)
+    if cfg.quantization:
+        nn.quantize(
+            model,
+            class_predicate=lambda p, m: (
+                hasattr(m, "to_quantized") and f"{p}.scales" in weights and _quant_params(cfg, p)
+            )
+            or False,
+        )
+    expected = dict(tree_flatten(model.parameters()))
+    missing = [k for k in expected if k not in weights]
+    if missing:
+        raise ModelFormatError(
+            f"{source}: tensor {missing[0]!r} is missing ({len(missing)} missing in all); "
+            "the weights do not belong to this config.json."
+        )
+    unexpected = [k for k in weights if k not in expected]
+    if unexpected:
+        raise ModelFormatError(
+            f"{source}: unexpected tensor {unexpected[0]!r}; the weights do not belong to this "
+            "config.json (check model_type and num_hidden_layers)."
+        )
+    for k, v in expected.items():
+        if tuple(weights[k].shape) != tuple(v.shape):
+            raise ModelFormatError(
+                f"{source}: tensor {k!r} has shape {tuple(weights[k].shape)} but config.json "
+                f"implies {tuple(v.shape)}."
+            )
+    target = DTYPES[dtype] if dtype else None
+    if target is None:
+        floats = [v.dtype for k, v in weights.items() if mx.issubdtype(v.dtype, mx.floating) and not k.endswith(("scales", "biases"))]
+        target = Counter(floats).most_common(1)[0][0] if floats else mx.float16
+    model.load_weights(
+        [(k, v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in weights.items()]
+    )
+    if quantize:
+        if quantize not in (4, 8):
+            raise ValueError("quantize must be 4 or 8 bits")
+        group = 64 if cfg.hidden_size % 64 == 0 else 32
+        nn.quantize(
+            model,
+            group_size=group,
+            bits=quantize,
+            class_predicate=lambda p, m: isinstance(m, (nn.Linear, nn.Embedding))
+            and m.weight.shape[-1] % group == 0,
+        )
+        cfg.quantization = {"group_size": group, "bits": quantize}
+    mx.eval(model.parameters())
+    return model
+
+
+def quantization_config(model: Model) -> dict[str, Any] | None:
+    """mlx_lm-style `quantization` entry: the commonest setting plus per-layer overrides."""
+    layers = {
+        p: {"group_size": m.group_size, "bits": m.bits}
+        for p, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
+    if not layers:
+        return None
+    common = Counter((v["group_size"], v["bits"]) for v in layers.values()).most_common(1)[0][0]
+    q: dict[str, Any] = {"group_size": common[0], "bits": common[1]}
+    for p, v in layers.items():
+        if (v["group_size"], v["bits"]) != common:
+            q[p] = v
+    # Layers left in float must say so explicitly, or mlx_lm would quantize them.
+    for p, m in model.named_modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)) and p not in layers:
+            q[p] = False
+    return q
+
+
+def save_model(model: Model, path: str | Path) -> None:
+    """Write config.json and model.safetensors (HF names), readable by ondevice and mlx_lm."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    cfg.quantization = quantization_config(model)
+    d = cfg.to_hf_dict()
+    (path / "config.json").write_text(json.dumps(d, indent=1))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})

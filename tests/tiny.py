@@ -1,0 +1,188 @@
+"""Tiny random checkpoints written to a temporary directory, in Hugging Face layout.
+
+Everything a test loads is made here: `config.json`, safetensors weights and a character-level
+`tokenizer.json` (with a ChatML chat template), so no test touches a model hub.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+EOS_ID = 2
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+ARCH_DEFAULTS = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"attention_bias": True},
+    "qwen3": {},
+}
+
+
+def vocabulary(vocab_size: int) -> list[str]:
+    """`vocab_size` tokens: the specials, then single characters, then made-up pairs."""
+    chars = list(string.ascii_lowercase + " .,!?\n" + string.ascii_uppercase + string.digits)
+    chars += [c for c in string.punctuation if c not in chars]
+    toks = SPECIALS + chars
+    i = 0
+    while len(toks) < vocab_size:
+        a, b = chars[i % 26], chars[(i // 26) % 26]
+        toks.append(a + b + "_")  # never produced by encode, decodes to itself
+        i += 1
+    return toks[:vocab_size]
+
+
+def write_tokenizer(path: Path, vocab_size: int, eos_id: int = EOS_ID) -> None:
+    toks = vocabulary(vocab_size)
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(toks)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\|im_start\|>|<\|im_end\|>|."), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([t for t in SPECIALS if t in toks])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": toks[eos_id],
+                "unk_token": "<unk>",
+                "chat_template": CHAT_TEMPLATE,
+                "add_bos_token": False,
+            }
+        )
+    )
+
+
+def make_config(
+    arch: str = "llama",
+    vocab_size: int = 96,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    tie: bool = False,
+    eos_id: int = EOS_ID,
+    **extra,
+) -> dict:
+    cfg = {
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden_size // heads,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": tie,
+        "bos_token_id": 1,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+    }
+    cfg.update(ARCH_DEFAULTS[arch])
+    cfg.update(extra)
+    return cfg
+
+
+def random_weights(cfg: dict, seed: int = 0, scale: float = 1.0) -> dict[str, np.ndarray]:
+    """Random fp32 weights with HF names; `scale` sharpens the output distribution."""
+    rng = np.random.default_rng(seed)
+    d, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def lin(o: int, i: int) -> np.ndarray:
+        return (rng.standard_normal((o, i)) * scale / np.sqrt(i)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": rng.standard_normal((v, d)).astype(np.float32)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = lin(nh * hd, d)
+        w[p + "self_attn.k_proj.weight"] = lin(nkv * hd, d)
+        w[p + "self_attn.v_proj.weight"] = lin(nkv * hd, d)
+        w[p + "self_attn.o_proj.weight"] = lin(d, nh * hd)
+        if cfg.get("attention_bias"):
+            for n, o in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
+                w[p + f"self_attn.{n}_proj.bias"] = (0.1 * rng.standard_normal(o)).astype(
+                    np.float32
+                )
+        if cfg["model_type"] == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = norm(hd)
+            w[p + "self_attn.k_norm.weight"] = norm(hd)
+        w[p + "mlp.gate_proj.weight"] = lin(inter, d)
+        w[p + "mlp.up_proj.weight"] = lin(inter, d)
+        w[p + "mlp.down_proj.weight"] = lin(d, inter)
+        w[p + "input_layernorm.weight"] = norm(d)
+        w[p + "post_attention_layernorm.weight"] = norm(d)
+    w["model.norm.weight"] = norm(d)
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = lin(v, d) * 4.0
+    return w
+
+
+def write_model(
+    path: Path | str,
+    seed: int = 0,
+    shards: int = 1,
+    weights: dict[str, np.ndarray] | None = None,
+    scale: float = 1.0,
+    **config_kwargs,
+) -> Path:
+    """Write a tiny checkpoint (config, safetensors, tokenizer) to `path` and return it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = make_config(**config_kwargs)
+    w = weights if weights is not None else random_weights(cfg, seed, scale)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    names = sorted(w)
+    if shards == 1:
+        save_file(w, str(path / "model.safetensors"))
+    else:
+        index = {}
+        for s in range(shards):
+            fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: w[n] for n in names[s::shards]}
+            save_file(part, str(path / fname))
+            index.update({n: fname for n in part})
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    write_tokenizer(path, cfg["vocab_size"], cfg["eos_token_id"])
+    return path
+
+
+def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
+    """A draft that resembles the verifier in `src`: the same weights plus Gaussian noise."""
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    w = load_file(str(src / "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    w = {k: (v + noise * v.std() * rng.standard_normal(v.shape)).astype(np.float32) for k, v in w.items()}
+    cfg_kwargs = {
+        "arch": cfg["model_type"],
+        "vocab_size": cfg["vocab_size"],
+        "hidden_size": cfg["hidden_size"],
+        "layers": cfg["num_hidden_layers"],
+        "heads": cfg["num_attention_heads"],
+        "kv_heads": cfg["num_key_value_heads"],
+        "intermediate": cfg["intermediate_size"],
+        "tie": cfg["tie_word_embeddings"],
+        "eos_id": cfg["eos_token_id"],
+    }
+    return write_model(dst, weights=w, **cfg_kwargs)
