@@ -1,0 +1,5 @@
+import sys
+
+from ondevice.apps.cli import main
+
+sys.exit(main())

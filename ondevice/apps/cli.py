@@ -1,0 +1,56 @@
+"""`ondevice` command: one subcommand per module, each registered by a light `register()`.
+
+Subcommand modules import their heavy dependencies (servers, plotting, training) inside their
+run functions, so `ondevice --help` and `ondevice generate` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ondevice.errors import OndeviceError
+
+# module (under ondevice.apps) -> its register(subparsers) adds one or more subcommands
+COMMAND_MODULES = ("generate", "serve", "chat", "pull", "doctor", "bench", "distill")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ondevice import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="ondevice",
+        description="Fast, lossless speculative decoding on Apple Silicon (and anywhere MLX runs).",
+    )
+    parser.add_argument("--version", action="version", version=f"ondevice {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"ondevice.apps.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"ondevice.apps.{name}":
+                continue  # subcommand not part of this build
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except OndeviceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
