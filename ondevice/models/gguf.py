@@ -15,7 +15,8 @@ from typing import Any, BinaryIO
 
 import mlx.core as mx
 import numpy as np
-from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
 
 from ondevice.errors import ModelFormatError
 from ondevice.models.config import ModelConfig

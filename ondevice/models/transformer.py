@@ -173,6 +173,7 @@ class Model(nn.Module):
         positions: mx.array | None = None,
         mask: mx.array | None = None,
         return_hidden: bool = False,
+        last_only: bool = False,
     ) -> mx.array | tuple[mx.array, mx.array]:
         """Logits (B, L, vocab) for `tokens`, appended to `cache` if given.
 
@@ -182,6 +183,7 @@ class Model(nn.Module):
             context, shape (L, cache_len + L) (or broadcastable with a leading (B, heads));
             default: causal.
         return_hidden: also return the final hidden states (after the last norm), (B, L, D).
+        last_only: compute logits for the last position only (prefill needs no more).
         """
         if tokens.ndim == 1:
             tokens = tokens[None]
@@ -191,7 +193,7 @@ class Model(nn.Module):
         attn_mask = _attention_mask(mask, L, prefix, h.dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, attn_mask, cache[i] if cache is not None else None, positions)
-        h = self.model.norm(h)
+        h = self.model.norm(h[:, -1:] if last_only else h)
         if self.config.tie_word_embeddings:
             logits = self.model.embed_tokens.as_linear(h)
         else:

@@ -11,35 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
 
 from ondevice.models.transformer import Model
+from ondevice.speculative.engine import Engine
 
-
-@runtime_checkable
-class Engine(Protocol):
-    """A causal LM with a cache.
-
-    `feed(tokens)` appends `tokens` to the cache and returns float32 logits of shape
-    (len(tokens), vocab) (or only the last row, shape (vocab,), when `last_only`). `trim(n)`
-    forgets the last n tokens. `length` is the number of tokens in the cache.
-    """
-
-    name: str
-    vocab_size: int
-    context_length: int
-
-    @property
-    def length(self) -> int: ...
-
-    def reset(self) -> None: ...
-
-    def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray: ...
-
-    def trim(self, n: int) -> None: ...
+__all__ = ["DRAFT_BACKENDS", "Engine", "MLXEngine", "TimedEngine", "make_draft_engine"]
 
 
 class MLXEngine:
@@ -61,17 +40,18 @@ class MLXEngine:
     def reset(self) -> None:
         self.cache = self.model.make_cache()
 
-    def forward(self, tokens: Sequence[int]) -> mx.array:
-        """Lazy logits (L, vocab) for `tokens` appended to the cache (long inputs in chunks)."""
+    def forward(self, tokens: Sequence[int], last_only: bool = False) -> mx.array:
+        """Lazy logits (L, vocab) for `tokens` appended to the cache (long inputs in chunks);
+        with `last_only`, (1, vocab) for the last token."""
         toks = list(tokens)
         n = self.prefill_chunk
         while len(toks) > n:
-            mx.eval(self.model(mx.array([toks[:n]]), self.cache), self.cache.state)
+            mx.eval(self.model(mx.array([toks[:n]]), self.cache, last_only=True), self.cache.state)
             toks = toks[n:]
-        return self.model(mx.array([toks]), self.cache)[0]
+        return self.model(mx.array([toks]), self.cache, last_only=last_only)[0]
 
     def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray:
-        logits = self.forward(tokens)
+        logits = self.forward(tokens, last_only)
         if last_only:
             logits = logits[-1]
         return np.array(logits.astype(mx.float32))

@@ -1,0 +1,314 @@
+"""The public face: `ondevice.load(...)` returns a `Generator` with generate / stream / astream."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import mlx.core as mx
+
+from ondevice.errors import OndeviceError
+from ondevice.models import LoadedModel, load_model
+from ondevice.models.tokenizer import Tokenizer, check_pair
+from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engine
+from ondevice.speculative.decoder import Round, SpeculativeDecoder
+from ondevice.speculative.sampling import SamplingParams
+
+Prompt = Union[str, Sequence[dict[str, str]], Sequence[int]]
+
+
+@dataclass
+class Chunk:
+    """A piece of a streamed answer: usually one token and the text it completed."""
+
+    text: str
+    tokens: list[int]
+    from_draft: bool
+    finish_reason: str | None = None
+    stats: dict[str, Any] | None = None  # set on the last chunk
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    stats: dict[str, Any]
+    finish_reason: str
+
+
+@dataclass
+class _Pair:
+    verifier: LoadedModel
+    draft: LoadedModel | None = None
+    mlpackage: Path | None = None
+    draft_context: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _StopMatcher:
+    """Cuts text at the first stop string, holding back what could still become one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Text that is safe to emit now, and whether a stop string was found."""
+        if not self.stops:
+            return text, False
+        buf = self.pending + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return buf[: min(hits)], True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        self.pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Generator:
+    """A loaded verifier (and optional draft) ready to generate."""
+
+    def __init__(self, pair: _Pair, draft_backend: str = "auto"):
+        self._pair = pair
+        self.tokenizer: Tokenizer = pair.verifier.tokenizer
+        self.model_name = str(pair.extra.get("name") or pair.verifier.path.name)
+        self.verifier = MLXEngine(pair.verifier.model)
+        self.context_length = self.verifier.context_length
+        self.draft = None
+        if pair.draft is not None or pair.mlpackage is not None:
+            self.draft = make_draft_engine(
+                draft_backend,
+                mlx_model=pair.draft.model if pair.draft else None,
+                mlpackage=pair.mlpackage,
+                context_length=pair.draft_context,
+            )
+        self.draft_backend = self.draft.name if self.draft is not None else None
+        self._lock = threading.Lock()  # one generation at a time per loaded model
+
+    # -- prompts ----------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt, chat_template: bool = True) -> list[int]:
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            if chat_template and tok.chat_template:
+                text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+                return tok.encode(text, add_special_tokens=False)
+            return tok.encode(prompt)
+        prompt = list(prompt)
+        if not prompt:
+            raise OndeviceError("the prompt is empty.")
+        if all(isinstance(m, dict) for m in prompt):
+            for i, m in enumerate(prompt):
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise OndeviceError(f"message {i} needs string 'role' and 'content' fields.")
+            return tok.encode(tok.apply_chat_template(prompt), add_special_tokens=False)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.verifier.vocab_size]
+            if bad:
+                raise OndeviceError(
+                    f"token id {bad[0]} is outside the vocabulary (0..{self.verifier.vocab_size - 1})."
+                )
+            return prompt
+        raise OndeviceError(
+            "prompt must be a string, a list of {'role','content'} messages, or a list of token ids."
+        )
+
+    def count_tokens(self, prompt: Prompt, chat_template: bool = True) -> int:
+        return len(self.encode_prompt(prompt, chat_template))
+
+    # -- generation -------------------------------------------------------------------------
+
+    def stream(
+        self,
+        prompt: Prompt,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        num_draft_tokens: int | None = None,
+        speculative: bool = True,
+        stop: str | Sequence[str] | None = None,
+        chat_template: bool = True,
+        _cancel: threading.Event | None = None,
+    ) -> Iterator[Chunk]:
+        """Yield chunks as tokens are decided; the last chunk carries finish_reason and stats."""
+        try:
+            params = SamplingParams(float(temperature), float(top_p), int(top_k))
+        except ValueError as e:
+            raise OndeviceError(str(e)) from None
+        if max_tokens < 0:
+            raise OndeviceError(f"max_tokens must be >= 0, got {max_tokens}.")
+        ids = self.encode_prompt(prompt, chat_template)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not self._lock.acquire(blocking=False):
+            raise OndeviceError("this model is already generating; wait for it to finish.")
+        try:
+            yield from self._stream(ids, max_tokens, params, seed, num_draft_tokens, speculative, stops, _cancel)
+        finally:
+            self._lock.release()
+
+    def _decoder(self, params, seed, num_draft_tokens, speculative):
+        eos = self.tokenizer.eos_token_ids
+        use_draft = speculative and self.draft is not None and num_draft_tokens != 0
+        if not use_draft and params.greedy:
+            from ondevice.runtime.plain import PlainGreedyDecoder
+
+            return PlainGreedyDecoder(self.verifier, eos)
+        return SpeculativeDecoder(
+            self.verifier,
+            self.draft if use_draft else None,
+            params,
+            eos_token_ids=eos,
+            seed=seed,
+            num_draft_tokens=num_draft_tokens,
+        )
+
+    def _stream(self, ids, max_tokens, params, seed, num_draft_tokens, speculative, stops, cancel):
+        dec = self._decoder(params, seed, num_draft_tokens, speculative)
+        detok = self.tokenizer.detokenizer()
+        matcher = _StopMatcher(stops)
+        tokens: list[int] = []
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        finish = "length"
+        rounds: Iterator[Round] = dec.run(ids, max_tokens) if max_tokens > 0 else iter(())
+        for rnd in rounds:
+            stopped = False
+            for tok, flag in zip(rnd.tokens, rnd.from_draft):
+                tokens.append(tok)
+                text, stopped = matcher.feed(detok.add([tok]))
+                yield Chunk(text, [tok], flag)  # a stop string's text is never emitted
+                if stopped:
+                    break
+            if stopped:
+                finish = "stop"
+                break
+            if rnd.finish_reason:
+                finish = rnd.finish_reason
+                break
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
+        elapsed = time.perf_counter() - t0
+        if finish != "stop" or not stops:
+            tail, _ = matcher.feed(detok.flush())
+            tail += matcher.flush()
+        else:
+            tail = ""
+        stats = self._stats(dec, len(ids), len(tokens), elapsed)
+        yield Chunk(tail, [], False, finish_reason=finish, stats=stats)
+
+    def _stats(self, dec, n_prompt: int, n_gen: int, elapsed: float) -> dict[str, Any]:
+        s = dec.stats
+        gen_time = max(elapsed - dec.time_prefill, 1e-9)
+        return {
+            "prompt_tokens": n_prompt,
+            "generation_tokens": n_gen,
+            "rounds": s.rounds,
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "acceptance_rate": s.accepted / s.drafted if s.drafted else 0.0,
+            "mean_accepted_length": (s.accepted + s.rounds) / s.rounds if s.rounds else 0.0,
+            "tokens_per_second": n_gen / gen_time,
+            "prompt_seconds": dec.time_prefill,
+            "time_draft_s": dec.time_draft,
+            "time_verify_s": dec.time_verify,
+            "total_seconds": elapsed,
+            "peak_memory_bytes": int(mx.get_peak_memory()),
+            "draft_backend": self.draft_backend if s.drafted else None,
+        }
+
+    def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+        text, tokens = [], []
+        last: Chunk | None = None
+        for chunk in self.stream(prompt, **kwargs):
+            text.append(chunk.text)
+            tokens.extend(chunk.tokens)
+            last = chunk
+        assert last is not None and last.stats is not None
+        return GenerationResult("".join(text), tokens, last.stats, last.finish_reason or "length")
+
+    async def astream(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[Chunk]:
+        """Like `stream`, run in a worker thread; never blocks the event loop. Closing the
+        iterator (or cancelling its task) stops the generation after the current round."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        done = object()
+
+        def work() -> None:
+            try:
+                for chunk in self.stream(prompt, _cancel=cancel, **kwargs):
+                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
+                    if cancel.is_set():
+                        break
+            except BaseException as e:  # delivered to the consumer
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, done)
+
+        thread = threading.Thread(target=work, name="ondevice-generate", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = await queue.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            cancel.set()
+            await asyncio.to_thread(thread.join)
+
+
+def load(
+    verifier: str | Path,
+    draft: str | Path | None = None,
+    *,
+    draft_backend: str = "auto",
+    dtype: str | None = None,
+    quantize: int | None = None,
+) -> Generator:
+    """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
+    draft. A pair bundle brings its own draft (Core ML and MLX)."""
+    if draft_backend not in DRAFT_BACKENDS:
+        raise OndeviceError(f"unknown draft backend {draft_backend!r}; choose one of {', '.join(DRAFT_BACKENDS)}.")
+    if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
+        raise OndeviceError(f"unknown dtype {dtype!r}; choose float32, float16 or bfloat16.")
+    from ondevice.models.hub import resolve
+
+    path = resolve(verifier)
+    pair: _Pair
+    if path.is_dir() and (path / "manifest.json").exists():
+        from ondevice.models.bundle import open_bundle
+
+        b = open_bundle(path)
+        v = load_model(b.verifier_dir, dtype=dtype, quantize=quantize)
+        d = load_model(b.draft_mlx_dir, dtype=dtype) if b.draft_mlx_dir else None
+        pair = _Pair(v, d, b.mlpackage, b.manifest.get("context"), {"name": path.name})
+    else:
+        v = load_model(path, dtype=dtype, quantize=quantize)
+        pair = _Pair(v)
+    if draft is not None:
+        pair.draft = load_model(draft, dtype=dtype)
+        pair.mlpackage = None
+    if pair.draft is not None:
+        check_pair(pair.verifier.tokenizer, pair.draft.tokenizer, pair.draft.config.vocab_size)
+    return Generator(pair, draft_backend)

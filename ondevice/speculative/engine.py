@@ -1,0 +1,35 @@
+"""The engine protocol: what the speculative logic needs of a language model, nothing more.
+
+It lives here, free of MLX, so the rules and decoders in this package work over any engine
+(MLX, Core ML, the numpy reference executor, or a test double in exhaustive tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A causal LM with a cache.
+
+    `feed(tokens)` appends `tokens` to the cache and returns float32 logits of shape
+    (len(tokens), vocab) (or only the last row, shape (vocab,), when `last_only`). `trim(n)`
+    forgets the last n tokens. `length` is the number of tokens in the cache.
+    """
+
+    name: str
+    vocab_size: int
+    context_length: int
+
+    @property
+    def length(self) -> int: ...
+
+    def reset(self) -> None: ...
+
+    def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray: ...
+
+    def trim(self, n: int) -> None: ...
