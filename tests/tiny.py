@@ -186,3 +186,95 @@ def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
         "eos_id": cfg["eos_token_id"],
     }
     return write_model(dst, weights=w, **cfg_kwargs)
+
+
+# -- GGUF ------------------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Q/K rows (half-split RoPE -> interleaved)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_vocabulary() -> tuple[list[str], list[str], list[int]]:
+    """A byte-level BPE vocabulary (gpt2 style): specials, the 256 byte symbols, a few merges."""
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = ["h e", "l l", "o Ġ", "he ll"]
+    tokens = SPECIALS + alphabet + [m.replace(" ", "") for m in merges]
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
+    return tokens, merges, types
+
+
+def write_gguf(path: Path, seed: int = 0, quant: str | None = None, **config_kwargs) -> tuple[Path, dict]:
+    """A tiny llama GGUF as llama.cpp writes it (Q/K permuted). Returns (path, reference weights):
+    the HF-layout float32 weights the GGUF encodes (after quantization round-trip if `quant`)."""
+    import gguf
+
+    tokens, merges, types = gguf_vocabulary()
+    cfg = make_config(vocab_size=len(tokens), **config_kwargs)
+    w = random_weights(cfg, seed)
+    qtype = {None: None, "Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1,
+             "Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q5_0": gguf.GGMLQuantizationType.Q5_0}[quant]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    reference = {}
+    for name, arr in w.items():
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gname = f"blk.{layer}.{_GGUF_NAMES[rest.rsplit('.', 1)[0]]}.weight"
+        data = arr
+        if ".attn_q." in gname:
+            data = _llama_cpp_permute(arr, cfg["num_attention_heads"])
+        elif ".attn_k." in gname:
+            data = _llama_cpp_permute(arr, cfg["num_key_value_heads"])
+        if qtype is not None and arr.ndim == 2:
+            packed = gguf.quants.quantize(data, qtype)
+            writer.add_tensor(gname, packed, raw_dtype=qtype)
+            back = gguf.quants.dequantize(packed, qtype).astype(np.float32)
+            if ".attn_q." in gname or ".attn_k." in gname:
+                heads = cfg["num_attention_heads"] if ".attn_q." in gname else cfg["num_key_value_heads"]
+                rows = back.shape[0]
+                back = back.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(back.shape)
+            reference[name] = back
+        else:
+            writer.add_tensor(gname, data)
+            reference[name] = arr
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, {"config": cfg, "weights": reference}

@@ -56,6 +56,9 @@ class LayerCache:
             src = mx.array([start + i for i in idx])
             k = mx.take(self.keys, src, axis=2)
             v = mx.take(self.values, src, axis=2)
+            # Materialise the gathered rows first: slice assignment rewrites the buffer in place,
+            # and a lazy gather would then read the already-overwritten rows.
+            mx.eval(k, v)
             self.keys[..., start : start + len(idx), :] = k
             self.values[..., start : start + len(idx), :] = v
         self.offset = start + len(idx)

@@ -1,0 +1,139 @@
+"""Loading from GGUF and safetensors, clear errors on bad input, and `ondevice generate`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+
+from ondevice.errors import ModelFormatError, ModelNotFoundError
+from ondevice.models import load_model
+
+
+def _logits(model, toks):
+    return np.array(model(mx.array([toks])).astype(mx.float32))
+
+
+@pytest.mark.parametrize("quant", [None, "Q8_0", "Q4_1"])
+def test_gguf_matches_safetensors(tmp_path, quant):
+    path, ref = tiny.write_gguf(tmp_path / "m.gguf", quant=quant, tie=False)
+    st = tiny.write_model(tmp_path / "st", weights=ref["weights"], vocab_size=ref["config"]["vocab_size"])
+    a = load_model(path, dtype="float32")
+    b = load_model(st)
+    toks = [5, 70, 80, 90, 100, 110, 6, 7]
+    np.testing.assert_allclose(_logits(a.model, toks), _logits(b.model, toks), atol=2e-4)
+    if quant:  # kept quantized, with bits derived from the packed shape
+        q = a.config.quantization
+        assert q["group_size"] == 32 and q["bits"] == (8 if quant == "Q8_0" else 4)
+        import mlx.nn as nn
+
+        assert isinstance(a.model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+
+
+def test_gguf_tokenizer_and_template(tmp_path):
+    path, _ = tiny.write_gguf(tmp_path / "m.gguf")
+    tok = load_model(path).tokenizer
+    ids = tok.encode("hello world", add_special_tokens=False)
+    assert tok.decode(ids) == "hello world"
+    assert tok.id_to_token(ids[0]) == "hell"  # merges applied
+    assert tok.encode("<|im_end|>", add_special_tokens=False) == [4]  # specials never split
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]).startswith("<|im_start|>user")
+    assert tiny.EOS_ID in tok.eos_token_ids
+
+
+def test_gguf_unsupported_quantization(tmp_path):
+    path, _ = tiny.write_gguf(tmp_path / "m.gguf", quant="Q5_0")
+    with pytest.raises(ModelFormatError, match=r"Q5_0.*Q4_0, Q4_1, Q8_0"):
+        load_model(path)
+
+
+def test_truncated_gguf(tmp_path):
+    path, _ = tiny.write_gguf(tmp_path / "m.gguf")
+    data = path.read_bytes()
+    path.write_bytes(data[:200])
+    with pytest.raises(ModelFormatError, match="m.gguf"):
+        load_model(path)
+
+
+def test_unsupported_model_type(tmp_path):
+    path = tiny.write_model(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFormatError, match=r"gpt_neox.*llama, mistral, qwen2, qwen3"):
+        load_model(path)
+
+
+def test_missing_shard_is_named(tmp_path):
+    path = tiny.write_model(tmp_path / "m", shards=2)
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelFormatError, match="model-00002-of-00002.safetensors"):
+        load_model(path)
+
+
+def test_truncated_weights_are_named(tmp_path):
+    path = tiny.write_model(tmp_path / "m")
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(ModelFormatError, match="model.safetensors"):
+        load_model(path)
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    path = tiny.write_model(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFormatError, match=r"mlp\.\w+_proj\.weight"):
+        load_model(path)
+
+
+def test_hub_id_offline_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "od"))
+    with pytest.raises(ModelNotFoundError, match="cannot be reached"):
+        load_model("someone/some-model")
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no such file"):
+        load_model(str(tmp_path / "nothing-here"))
+
+
+def _cli(*args, check=True):
+    r = subprocess.run([sys.executable, "-m", "ondevice", *args], capture_output=True, text=True, timeout=300)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_generate_json_matches_mlx_lm_greedy(tmp_path):
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    path = tiny.write_model(tmp_path / "m")
+    prompt = [5, 9, 14, 3, 27]
+    out = json.loads(_cli("generate", "--verifier", str(path), "--prompt-ids", ",".join(map(str, prompt)),
+                          "--max-tokens", "24", "--json").stdout)
+    model, _ = mlx_lm.load(str(path))
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=24)]
+    eos = [i for i, t in enumerate(ref) if t == tiny.EOS_ID]
+    expected = ref[: eos[0]] if eos else ref  # mlx_lm's generate_step does not stop at EOS
+    assert out["tokens"] == expected and len(expected) >= 8
+    assert set(out["stats"]) >= {"prompt_tokens", "generation_tokens", "tokens_per_second", "peak_memory_bytes"}
+    assert out["stats"]["generation_tokens"] == len(expected) and out["stats"]["prompt_tokens"] == 5
+
+
+def test_generate_streams_text_and_reports_errors(tmp_path):
+    path = tiny.write_model(tmp_path / "m")
+    r = _cli("generate", "--verifier", str(path), "--prompt", "hello", "--max-tokens", "8")
+    assert r.stdout.strip() != "" or r.stdout == "\n"
+    assert "tok/s" in r.stderr
+    bad = _cli("generate", "--verifier", str(tmp_path / "nope"), "--prompt", "x", check=False)
+    assert bad.returncode == 1 and "error:" in bad.stderr and "Traceback" not in bad.stderr

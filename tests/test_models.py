@@ -1,0 +1,168 @@
+"""The MLX transformer against mlx_lm, the KV cache, and loading from safetensors and GGUF."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+
+from ondevice.models import load_model
+from ondevice.models.transformer import causal_mask
+
+ARCHS = [("llama", False), ("mistral", False), ("qwen2", False), ("qwen3", True), ("llama", True)]
+
+
+def _np(x: mx.array) -> np.ndarray:
+    return np.array(x.astype(mx.float32))
+
+
+@pytest.mark.parametrize("arch,tie", ARCHS)
+def test_logits_match_mlx_lm(tmp_path, arch, tie):
+    import mlx_lm
+
+    path = tiny.write_model(tmp_path / arch, arch=arch, tie=tie, layers=3)
+    ours = load_model(path).model
+    ref, _ = mlx_lm.load(str(path))
+    toks = mx.array([[5, 9, 14, 3, 27, 40, 8, 11, 60, 2]])
+    np.testing.assert_allclose(_np(ours(toks)), _np(ref(toks)), atol=1e-4)
+
+    # token by token with both caches
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ref_cache, our_cache = make_prompt_cache(ref), ours.make_cache()
+    for i in range(toks.shape[1]):
+        a = ours(toks[:, i : i + 1], our_cache)
+        b = ref(toks[:, i : i + 1], cache=ref_cache)
+        np.testing.assert_allclose(_np(a), _np(b), atol=1e-4)
+
+
+def test_llama3_rope_scaling_matches_mlx_lm(tmp_path):
+    import mlx_lm
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    path = tiny.write_model(tmp_path / "l3", rope_scaling=scaling, rope_theta=500000.0)
+    ours = load_model(path).model
+    ref, _ = mlx_lm.load(str(path))
+    toks = mx.array([list(range(5, 85))])  # long enough to cross the scaled wavelengths
+    np.testing.assert_allclose(_np(ours(toks)), _np(ref(toks)), atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tiny.write_model(tmp_path_factory.mktemp("m") / "m", arch="qwen3", layers=2)
+    return load_model(path).model
+
+
+def test_cached_decoding_equals_full_forward(model):
+    toks = mx.array([[4, 8, 15, 16, 23, 42, 7, 9]])
+    full = model(toks)
+    cache = model.make_cache()
+    first = model(toks[:, :3], cache)  # a chunk, then single tokens
+    rest = [model(toks[:, i : i + 1], cache) for i in range(3, 8)]
+    np.testing.assert_allclose(_np(mx.concatenate([first, *rest], 1)), _np(full), atol=1e-5)
+
+
+def test_trim_is_rollback(model):
+    toks = mx.array([[4, 8, 15, 16, 23, 42]])
+    cache = model.make_cache()
+    model(toks, cache)
+    cache.trim(3)
+    assert cache.offset == 3
+    out = model(mx.array([[30, 31]]), cache)
+    fresh = model(mx.array([[4, 8, 15, 30, 31]]))
+    np.testing.assert_allclose(_np(out), _np(fresh[:, 3:]), atol=1e-5)
+
+
+def test_keep_subset_equals_fresh_forward(model):
+    """Keep the accepted path of a token tree: the cache is as if only that path was appended."""
+    prefix = [4, 8, 15]
+    cache = model.make_cache()
+    model(mx.array([prefix]), cache)
+    # tree nodes (token@position, parent): 16@3 (root), 23@3 (root), 42@4 (<-16), 7@4 (<-23), 9@5 (<-7)
+    tokens = [16, 23, 42, 7, 9]
+    positions = mx.array([3, 3, 4, 4, 5])
+    visible = np.array(
+        [[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [1, 0, 1, 0, 0], [0, 1, 0, 1, 0], [0, 1, 0, 1, 1]], bool
+    )
+    mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
+    model(mx.array([tokens]), cache, positions=positions, mask=mask)
+    cache.keep(len(tokens), [1, 3, 4])  # the path 23 -> 7 -> 9
+    assert cache.offset == len(prefix) + 3
+    out = model(mx.array([[50]]), cache)
+    fresh = model(mx.array([prefix + [23, 7, 9, 50]]))
+    np.testing.assert_allclose(_np(out[:, -1]), _np(fresh[:, -1]), atol=1e-4)
+    with pytest.raises(ValueError):
+        cache.keep(2, [1, 0])
+
+
+def test_explicit_positions_and_mask(model):
+    """A tree-shaped pass (two branches sharing a root) equals each path run alone."""
+    prefix = [4, 8, 15]
+    cache = model.make_cache()
+    model(mx.array([prefix]), cache)
+    # nodes: 0 root(16) ; 1 child of root (23) ; 2 other child of root (42)
+    tokens = mx.array([[16, 23, 42]])
+    positions = mx.array([3, 4, 4])
+    visible = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
+    out = model(tokens, cache, positions=positions, mask=mask)
+    a = model(mx.array([prefix + [16, 23]]))
+    b = model(mx.array([prefix + [16, 42]]))
+    np.testing.assert_allclose(_np(out[0, 1]), _np(a[0, -1]), atol=1e-4)
+    np.testing.assert_allclose(_np(out[0, 2]), _np(b[0, -1]), atol=1e-4)
+    np.testing.assert_allclose(_np(out[0, 0]), _np(a[0, -2]), atol=1e-4)
+
+
+def test_batch_dimension(model):
+    toks = mx.array([[4, 8, 15, 16], [23, 42, 7, 9]])
+    both = model(toks)
+    np.testing.assert_allclose(_np(both[1]), _np(model(toks[1:])[0]), atol=1e-5)
+    logits, hidden = model(toks, return_hidden=True)
+    assert hidden.shape == (2, 4, model.config.hidden_size)
+    assert causal_mask(3).shape == (3, 3)
+
+
+def test_sharded_checkpoint_loads_like_single(tmp_path):
+    one = tiny.write_model(tmp_path / "one", seed=3)
+    many = tiny.write_model(tmp_path / "many", seed=3, shards=3)
+    toks = mx.array([[5, 6, 7]])
+    np.testing.assert_array_equal(_np(load_model(one).model(toks)), _np(load_model(many).model(toks)))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_dtype_choice(tmp_path, dtype):
+    lm = load_model(tiny.write_model(tmp_path / "m"), dtype=dtype)
+    assert lm.model.model.embed_tokens.weight.dtype == getattr(mx, dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_on_load_and_save_roundtrip_with_mlx_lm(tmp_path, bits):
+    import mlx_lm
+
+    from ondevice.models.weights import save_model
+
+    lm = load_model(tiny.write_model(tmp_path / "m", hidden_size=64, intermediate=128), quantize=bits)
+    toks = mx.array([[5, 6, 7, 8]])
+    ours = lm.model(toks)
+    save_model(lm.model, tmp_path / "q")
+    lm.tokenizer.save(tmp_path / "q")
+    ref, _ = mlx_lm.load(str(tmp_path / "q"))
+    np.testing.assert_allclose(_np(ref(toks)), _np(ours), atol=1e-4)
+    again = load_model(tmp_path / "q").model
+    np.testing.assert_allclose(_np(again(toks)), _np(ours), atol=1e-5)
+
+
+def test_tokenizer_and_chat_template(tmp_path):
+    lm = load_model(tiny.write_model(tmp_path / "m"))
+    tok = lm.tokenizer
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tiny.EOS_ID in tok.eos_token_ids
+    detok = tok.detokenizer()
+    pieces = [detok.add([i]) for i in tok.encode("abc d")]
+    assert "".join(pieces) + detok.flush() == "abc d"
