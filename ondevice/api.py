@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import mlx.core as mx
 
@@ -19,7 +19,7 @@ from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engin
 from ondevice.speculative.decoder import Round, SpeculativeDecoder
 from ondevice.speculative.sampling import SamplingParams
 
-Prompt = Union[str, Sequence[dict[str, str]], Sequence[int]]
+Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ondevice.errors import ModelNotFoundError
+from ondevice.errors import ModelNotFoundError, OndeviceError
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
 
@@ -35,12 +35,26 @@ def resolve(name: str | os.PathLike) -> Path:
     cached = cache_dir() / "models" / s.replace("/", "--")
     if cached.exists():
         return _single_gguf(cached)
+    if _in_catalog(s):
+        raise ModelNotFoundError(
+            f"{s!r} is not downloaded yet (looked in {cached}). Fetch it with: ondevice pull {s}"
+        )
     if not _looks_like_hub_id(s):
         raise ModelNotFoundError(
             f"{s!r}: no such file or folder, and not a Hugging Face hub id (owner/name). "
             "Pass a local model folder, a .gguf file or a bundle, or fetch one with `ondevice pull`."
         )
     return _download(s)
+
+
+def _in_catalog(name: str) -> bool:
+    """True when `name` is a model the catalog knows (so `ondevice pull` can fetch it)."""
+    from ondevice.models.catalog import load_catalog
+
+    try:
+        return load_catalog().model(name) is not None
+    except OndeviceError:
+        return False  # a broken catalog must not hide the ordinary "not found" message
 
 
 def _single_gguf(path: Path) -> Path:
@@ -57,11 +71,15 @@ def _download(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
     except Exception as e:  # offline, unknown repo, gated repo, ...
-        offline = type(e).__name__ in (
-            "LocalEntryNotFoundError",
-            "ConnectionError",
-            "OfflineModeIsEnabled",
-        ) or "connect" in str(e).lower()
+        offline = (
+            type(e).__name__
+            in (
+                "LocalEntryNotFoundError",
+                "ConnectionError",
+                "OfflineModeIsEnabled",
+            )
+            or "connect" in str(e).lower()
+        )
         if offline:
             raise ModelNotFoundError(
                 f"{repo_id!r} is not on this machine and the Hugging Face hub cannot be reached. "
@@ -69,4 +87,6 @@ def _download(repo_id: str) -> Path:
                 "on a machine that is online (then copy the cache folder "
                 f"{cache_dir()})."
             ) from None
-        raise ModelNotFoundError(f"{repo_id!r}: could not be fetched from the Hugging Face hub ({e}).") from None
+        raise ModelNotFoundError(
+            f"{repo_id!r}: could not be fetched from the Hugging Face hub ({e})."
+        ) from None
