@@ -1,0 +1,321 @@
+"""`ondevice doctor`: what this machine offers ondevice, and what would make it faster.
+
+Reports the platform, Python, MLX and its default device, Core ML, the BLAS library MLX's matrix
+products actually go to (on Linux), and the cache with its models. The BLAS check matters: the
+`mlx-cpu` wheel links a reference BLAS that is 5-30x slower than OpenBLAS, and preloading
+OpenBLAS fixes it without rebuilding anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+OPENBLAS_PACKAGE = "libopenblas0-pthread"
+_BLAS_SYMBOL = "cblas_sgemm"  # what libmlx calls for float32 matrix products
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="check this machine: MLX device, Core ML, BLAS, cache",
+        description="Report platform, MLX, Core ML, the BLAS in use and the ondevice cache.",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = collect()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(render(report))
+    return 0
+
+
+# -- collecting --------------------------------------------------------------------------------
+
+
+def collect() -> dict[str, Any]:
+    warnings: list[str] = []
+    report: dict[str, Any] = {
+        "platform": {
+            "system": platform.system(),
+            "release": platform.release(),
+            "machine": platform.machine(),
+            "description": platform.platform(),
+        },
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "ondevice": {"version": _version("ondevice")},
+        "mlx": _mlx(warnings),
+        "coreml": _coreml(),
+        "blas": _blas(warnings),
+        "cache": _cache(),
+    }
+    report["warnings"] = warnings
+    return report
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def _mlx(warnings: list[str]) -> dict[str, Any]:
+    try:
+        import mlx.core as mx
+    except ImportError as e:
+        warnings.append(f"MLX cannot be imported ({e}); install it: pip install 'mlx[cpu]' (Linux)")
+        return {"available": False, "error": str(e)}
+    return {
+        "available": True,
+        "version": mx.__version__,
+        "default_device": str(mx.default_device().type).rsplit(".", 1)[-1],
+        "metal": bool(mx.metal.is_available()),
+    }
+
+
+def _coreml() -> dict[str, Any]:
+    try:
+        from ondevice.runtime.engines import coreml_available
+
+        available = bool(coreml_available())
+    except ImportError:
+        available = False
+    # coremltools' version comes from its metadata: importing it on Linux prints warnings
+    # about its missing native module, and conversion does not need that module anyway.
+    return {"prediction_available": available, "coremltools": _version("coremltools")}
+
+
+def _blas(warnings: list[str]) -> dict[str, Any]:
+    if platform.system() == "Darwin":
+        return {"kind": "accelerate", "library": "Accelerate.framework (MLX on Metal / CPU)"}
+    if platform.system() != "Linux":
+        return {"kind": "unknown", "library": None}
+    try:
+        import mlx.core  # noqa: F401  (loads libmlx and the BLAS it links)
+    except ImportError:
+        return {"kind": "unknown", "library": None}
+    maps = _mapped_libraries()
+    library = _blas_serving_mlx(maps)
+    kind = _classify(library)
+    info: dict[str, Any] = {
+        "kind": kind,
+        "library": library,
+        "loaded": [p for p in maps if _is_blas_like(p)],
+    }
+    if kind == "reference":
+        preload = find_openblas()
+        if preload:
+            fix = f"preload it: LD_PRELOAD={preload} ondevice ... (or export LD_PRELOAD)"
+        else:
+            fix = (
+                f"install it (sudo apt-get install {OPENBLAS_PACKAGE}), then preload it: "
+                f"LD_PRELOAD={_default_openblas_path()} ondevice ..."
+            )
+        info["fix"] = fix
+        warnings.append(
+            "MLX runs matrix products on the reference BLAS bundled with mlx-cpu (5-30x slower "
+            f"than OpenBLAS); to use OpenBLAS, {fix}"
+        )
+    return info
+
+
+def _mapped_libraries() -> list[str]:
+    """Shared objects mapped into this process (in address order)."""
+    seen: dict[str, None] = {}
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and ".so" in parts[-1]:
+                    seen.setdefault(parts[-1], None)
+    except OSError:
+        pass
+    return list(seen)
+
+
+def _blas_serving_mlx(maps: list[str]) -> str | None:
+    """The file whose `cblas_sgemm` libmlx's calls bind to.
+
+    The dynamic linker searches the global scope (the executable and any LD_PRELOAD libraries)
+    before a dlopen'ed library's own dependencies, so a global definition wins; otherwise the
+    symbol comes from libmlx's own dependency chain.
+    """
+    import ctypes
+
+    path = _symbol_file(ctypes.CDLL(None), _BLAS_SYMBOL)
+    if path:
+        return path
+    libmlx = next((p for p in maps if Path(p).name.startswith("libmlx")), None)
+    if libmlx:
+        try:
+            path = _symbol_file(ctypes.CDLL(libmlx), _BLAS_SYMBOL)
+        except OSError:
+            path = None
+    if path:
+        return path
+    return next((p for p in maps if _is_blas_like(p)), None)  # best guess from the mappings
+
+
+def _symbol_file(lib: Any, symbol: str) -> str | None:
+    """The path of the shared object that defines `symbol` as seen from `lib` (dladdr)."""
+    import ctypes
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [
+            ("dli_fname", ctypes.c_char_p),
+            ("dli_fbase", ctypes.c_void_p),
+            ("dli_sname", ctypes.c_char_p),
+            ("dli_saddr", ctypes.c_void_p),
+        ]
+
+    try:
+        addr = ctypes.cast(getattr(lib, symbol), ctypes.c_void_p)
+        dladdr = ctypes.CDLL(None).dladdr
+    except AttributeError:
+        return None
+    info = DlInfo()
+    if not dladdr(addr, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return str(Path(info.dli_fname.decode()).resolve())
+
+
+def _is_blas_like(path: str) -> bool:
+    name = Path(path).name.lower()
+    return any(k in name for k in ("blas", "lapack", "mkl", "blis"))
+
+
+def _classify(library: str | None) -> str:
+    if not library:
+        return "unknown"
+    name = library.lower()
+    for kind in ("openblas", "mkl", "blis"):
+        if kind in Path(name).name:
+            return kind
+    return "reference" if "libblas" in Path(name).name else "unknown"
+
+
+def _multiarch() -> str:
+    import sysconfig
+
+    return sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
+
+
+def _default_openblas_path() -> str:
+    return f"/usr/lib/{_multiarch()}/openblas-pthread/libopenblas.so.0"
+
+
+def find_openblas() -> str | None:
+    """An installed OpenBLAS that exports the standard CBLAS names, or None."""
+    candidates = [Path(_default_openblas_path())]
+    candidates += sorted(Path("/usr/lib").glob("*/openblas-pthread/libopenblas.so.0"))
+    candidates += [
+        Path(f"/usr/lib/{_multiarch()}/libopenblas.so.0"),
+        Path("/usr/lib64/libopenblas.so.0"),
+    ]
+    return next((str(p) for p in candidates if p.exists()), None)
+
+
+def _cache() -> dict[str, Any]:
+    from ondevice.models.hub import cache_dir
+
+    root = cache_dir()
+    models_root = root / "models"
+    models, partial = [], []
+    if models_root.is_dir():
+        for d in sorted(models_root.iterdir()):
+            if not d.is_dir():
+                continue
+            if d.name.startswith("."):
+                partial.append(str(d))  # an interrupted pull's staging folder
+                continue
+            files = [f for f in d.rglob("*") if f.is_file()]
+            models.append(
+                {
+                    "name": d.name,
+                    "path": str(d),
+                    "size_bytes": sum(f.stat().st_size for f in files),
+                    "files": [str(f.relative_to(d)) for f in files],
+                }
+            )
+    return {
+        "dir": str(root),
+        "exists": root.is_dir(),
+        "size_bytes": _tree_size(root),
+        "models": models,
+        "incomplete": partial,
+    }
+
+
+def _tree_size(path: Path) -> int:
+    if not path.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# -- rendering ---------------------------------------------------------------------------------
+
+
+def human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GB"
+
+
+def render(r: dict[str, Any]) -> str:
+    p, py, mlx, cm, blas, cache = (
+        r["platform"],
+        r["python"],
+        r["mlx"],
+        r["coreml"],
+        r["blas"],
+        r["cache"],
+    )
+    if mlx["available"]:
+        metal = "yes" if mlx["metal"] else "no"
+        mlx_line = f"{mlx['version']}, default device {mlx['default_device']} (Metal: {metal})"
+    else:
+        mlx_line = f"not available ({mlx['error']})"
+    coreml_line = (
+        "prediction available (Neural Engine)"
+        if cm["prediction_available"]
+        else "prediction unavailable here (needs macOS 15+); drafts run on the reference executor"
+    )
+    tools = cm["coremltools"] or "not installed"
+    lines = [
+        "ondevice doctor",
+        f"  platform    {p['description']} ({p['machine']})",
+        f"  python      {py['version']} ({py['executable']})",
+        f"  ondevice    {r['ondevice']['version'] or 'not installed as a package'}",
+        f"  mlx         {mlx_line}",
+        f"  core ml     {coreml_line}",
+        f"  coremltools {tools}",
+        f"  blas        {blas['kind']}" + (f" ({blas['library']})" if blas.get("library") else ""),
+        f"  cache       {cache['dir']}"
+        + (f" ({human(cache['size_bytes'])})" if cache["exists"] else " (not created yet)"),
+    ]
+    if cache["models"]:
+        width = max(len(m["name"]) for m in cache["models"])
+        lines.append("  models")
+        for m in cache["models"]:
+            lines.append(f"    {m['name']:<{width}}  {human(m['size_bytes']):>9}  {m['path']}")
+    else:
+        lines.append("  models      none cached (fetch the default with: ondevice pull)")
+    for d in cache["incomplete"]:
+        lines.append(f"  incomplete  {d} (an interrupted pull; safe to delete)")
+    for w in r["warnings"]:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
