@@ -1,0 +1,122 @@
+"""`ondevice serve`: the OpenAI-compatible HTTP server, and the model options `chat` shares."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from ondevice.errors import OndeviceError
+
+if TYPE_CHECKING:
+    from ondevice.api import Generator
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model/--verifier, --draft, --draft-backend, --dtype: what `ondevice.load` takes."""
+    p.add_argument(
+        "--model",
+        "--verifier",
+        dest="model",
+        metavar="MODEL",
+        help="pair bundle, model folder, .gguf file, or catalog / Hugging Face name",
+    )
+    p.add_argument("--draft", metavar="MODEL", help="draft model for an unbundled pair")
+    p.add_argument(
+        "--draft-backend",
+        default="auto",
+        choices=("auto", "coreml", "reference", "mlx"),
+        help="where the draft runs (default: auto)",
+    )
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="weights dtype")
+
+
+def load_generator(args: argparse.Namespace) -> Generator:
+    import ondevice
+
+    if not args.model:
+        raise OndeviceError(
+            "no model given: pass --model with a pair bundle, a model folder, a .gguf file "
+            "or a model name (see `ondevice pull`)."
+        )
+    return ondevice.load(
+        args.model, draft=args.draft, draft_backend=args.draft_backend, dtype=args.dtype
+    )
+
+
+def warm_up(gen: Generator) -> None:
+    """Run a few tokens through verifier and draft in the loading thread: the first real
+    request then pays no one-time setup, and arrays MLX created lazily while loading are
+    materialised in the thread that owns their stream (a generation thread cannot)."""
+    ids = gen.tokenizer.encode("Hello", add_special_tokens=False) or [0]
+    gen.generate(ids, max_tokens=4, temperature=0.0, chat_template=False)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve one model over an OpenAI-compatible HTTP API "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).",
+    )
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 request")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=16,
+        metavar="N",
+        help="requests that may wait for the model; more get 429 (default: 16)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        metavar="N",
+        help="largest accepted request body (default: 4 MiB)",
+    )
+    p.add_argument("--name", help="model id reported by /v1/models (default: the model's name)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info"))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise OndeviceError(f"--port {args.port}: choose a port between 0 and 65535.")
+    if args.max_queue < 0:
+        raise OndeviceError(f"--max-queue {args.max_queue}: must be 0 or more.")
+    if args.max_body_bytes < 1024:
+        raise OndeviceError(f"--max-body-bytes {args.max_body_bytes}: must be at least 1024.")
+    import uvicorn
+
+    from ondevice.apps.server import OpenAIServer
+
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    gen = load_generator(args)
+    warm_up(gen)
+    server = OpenAIServer(
+        gen,
+        model_id=args.name,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+    )
+    if args.host not in LOOPBACK and not args.api_key:
+        print(
+            f"warning: serving on {args.host} without --api-key: anyone who can reach this "
+            "machine can use the model.",
+            file=sys.stderr,
+        )
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(
+        f"serving '{server.model_id}' at http://{host}:{args.port}/v1 "
+        f"(draft: {gen.draft_backend or 'none'}); Ctrl-C stops",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,577 @@
+"""An OpenAI-compatible HTTP server over one loaded model (starlette on uvicorn).
+
+One generation runs at a time: requests queue for the model in arrival order, up to
+`max_queue` waiting; beyond that the server answers 429. Generation runs in `Generator.astream`'s
+worker thread, so the event loop keeps serving health checks, metrics and new arrivals. A client
+that goes away cancels its generation, and the next request gets the model only once the worker
+has really stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ondevice.apps.openai_schema import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ValidationError,
+    error_body,
+    validation_message,
+)
+from ondevice.errors import ContextLengthError, OndeviceError
+
+if TYPE_CHECKING:
+    from ondevice.api import Chunk, Generator
+
+# A long prompt is a few hundred KB of JSON; a body far beyond that is a mistake or an attack.
+DEFAULT_MAX_BODY = 4 * 1024 * 1024
+FINGERPRINT = "ondevice"
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Metrics:
+    """Counters for /metrics, written by hand in Prometheus' text format (a dozen lines)."""
+
+    requests: dict[tuple[str, int], int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    generations: int = 0
+    last_tps: float = 0.0
+
+    def count_request(self, path: str, status: int) -> None:
+        self.requests[(path, status)] = self.requests.get((path, status), 0) + 1
+
+    def count_generation(self, stats: dict[str, Any]) -> None:
+        self.generations += 1
+        self.prompt_tokens += int(stats.get("prompt_tokens", 0))
+        self.generated_tokens += int(stats.get("generation_tokens", 0))
+        self.drafted += int(stats.get("drafted", 0))
+        self.accepted += int(stats.get("accepted", 0))
+        self.last_tps = float(stats.get("tokens_per_second", 0.0))
+
+    def render(self, queue_length: int, busy: bool) -> str:
+        rate = self.accepted / self.drafted if self.drafted else 0.0
+        requests = [
+            (f'{{path="{p}",status="{s}"}}', n) for (p, s), n in sorted(self.requests.items())
+        ]
+        metrics = [
+            ("requests_total", "counter", "HTTP requests by path and status code.", requests),
+            ("generations_total", "counter", "Finished generations.", self.generations),
+            ("prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens),
+            ("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
+            ("draft_tokens_total", "counter", "Tokens proposed by the draft.", self.drafted),
+            ("accepted_tokens_total", "counter", "Draft tokens accepted.", self.accepted),
+            ("acceptance_rate", "gauge", "Accepted / drafted tokens since start.", rate),
+            ("tokens_per_second", "gauge", "Speed of the last generation.", self.last_tps),
+            ("queue_length", "gauge", "Requests waiting for the model.", queue_length),
+            ("generation_active", "gauge", "1 while the model is generating.", int(busy)),
+        ]
+        lines: list[str] = []
+        for name, kind, help_, value in metrics:
+            samples = value if isinstance(value, list) else [("", value)]
+            lines += [f"# HELP ondevice_{name} {help_}", f"# TYPE ondevice_{name} {kind}"]
+            lines += [f"ondevice_{name}{labels} {v:g}" for labels, v in samples]
+        return "\n".join(lines) + "\n"
+
+
+# -- one generation at a time ---------------------------------------------------------------
+
+_END = object()
+
+
+class ModelSlot:
+    """The model, handed to one generation at a time, with a bounded line of waiting requests."""
+
+    def __init__(self, gen: Generator, max_queue: int, metrics: Metrics) -> None:
+        self.gen = gen
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.waiting = 0
+        self.busy = False
+        self._lock = asyncio.Lock()  # FIFO: waiters are served in arrival order
+
+    def start(self, prompt: Any, options: dict[str, Any]) -> Run:
+        """Queue a generation (429 if the line is full) and return its handle at once."""
+        if (self.busy or self._lock.locked()) and self.waiting >= self.max_queue:
+            raise APIError(
+                429,
+                f"The server is busy: {self.waiting} request(s) already wait for the model "
+                f"(--max-queue {self.max_queue}). Retry later.",
+                type="rate_limit_error",
+                code="queue_full",
+            )
+        self.waiting += 1
+        return Run(self, prompt, options)
+
+
+class Run:
+    """One generation: a task that waits for the model and pumps chunks into a queue.
+
+    The pump runs in its own task, outside the request's cancel scope, so that cancelling it
+    is delivered once and `astream` can wait for its worker thread to stop before the model
+    is released to the next request.
+    """
+
+    def __init__(self, slot: ModelSlot, prompt: Any, options: dict[str, Any]) -> None:
+        self.slot = slot
+        self.chunks: asyncio.Queue[Any] = asyncio.Queue()
+        self.task = asyncio.get_running_loop().create_task(self._pump(prompt, options))
+
+    async def _pump(self, prompt: Any, options: dict[str, Any]) -> None:
+        slot = self.slot
+        try:
+            try:
+                await slot._lock.acquire()
+            finally:
+                slot.waiting -= 1
+            try:
+                slot.busy = True
+                async for chunk in slot.gen.astream(prompt, **options):
+                    self.chunks.put_nowait(chunk)
+                    if chunk.stats is not None:
+                        slot.metrics.count_generation(chunk.stats)
+            finally:
+                slot.busy = False
+                slot._lock.release()
+        except asyncio.CancelledError:
+            pass  # the consumer left; nobody reads the queue any more
+        except BaseException as e:  # handed to the consumer, who turns it into an error reply
+            self.chunks.put_nowait(e)
+        finally:
+            self.chunks.put_nowait(_END)
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        while True:
+            item = await self.chunks.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def cancel(self) -> None:
+        self.task.cancel()  # no effect once the generation has finished
+
+
+# -- the application --------------------------------------------------------------------------
+
+
+class _ClosingStream(StreamingResponse):
+    """A streaming response that always runs `on_close`, also when the client disconnects
+    before the first chunk (the body generator's own `finally` would then never run)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.headers["Cache-Control"] = "no-cache"
+        self.headers["X-Accel-Buffering"] = "no"  # proxies: do not buffer server-sent events
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class OpenAIServer:
+    """Routes, authentication, validation and response shapes around one `ModelSlot`."""
+
+    def __init__(
+        self,
+        gen: Generator,
+        *,
+        model_id: str | None = None,
+        api_key: str | None = None,
+        max_queue: int = 16,
+        max_body_bytes: int = DEFAULT_MAX_BODY,
+    ) -> None:
+        self.gen = gen
+        self.model_id = model_id or gen.model_name
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.metrics = Metrics()
+        self.slot = ModelSlot(gen, max_queue, self.metrics)
+        self.created = int(time.time())
+        table = [
+            ("/v1/chat/completions", self.chat, "POST", True),
+            ("/v1/completions", self.completions, "POST", True),
+            ("/v1/models", self.models, "GET", True),
+            ("/v1/models/{model_id:path}", self.model, "GET", True),
+            ("/health", self.health, "GET", False),  # for probes: open even with --api-key
+            ("/metrics", self.prometheus, "GET", True),
+        ]
+        routes = [
+            Route(path, self._endpoint(handler, path, auth), methods=[method])
+            for path, handler, method, auth in table
+        ]
+        self.app = Starlette(
+            routes=routes,
+            exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
+        )
+        self.app.state.server = self
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _endpoint(
+        self, handler: Callable[[Request], Awaitable[Response]], path: str, auth: bool
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                if auth:
+                    self._check_key(request)
+                response = await handler(request)
+            except APIError as e:
+                response = _error_response(e)
+            except ClientDisconnect:
+                response = Response(status_code=499)  # nobody is listening; for the metrics
+            self.metrics.count_request(path, response.status_code)
+            return response
+
+        return endpoint
+
+    def _check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "Missing or incorrect API key. Send it as 'Authorization: Bearer <key>' "
+                "(the key given to `ondevice serve --api-key`).",
+                code="invalid_api_key",
+            )
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        status = exc.status_code
+        if status == 404:
+            msg = f"Unknown path {request.url.path}. This server offers /v1/chat/completions, "
+            msg += "/v1/completions, /v1/models, /health and /metrics."
+        elif status == 405:
+            msg = f"Method {request.method} is not allowed on {request.url.path}."
+        else:
+            msg = str(exc.detail)
+        response = _error_response(APIError(status, msg))
+        # Unknown paths share one label, so random URLs cannot grow the metrics without bound.
+        self.metrics.count_request(request.url.path if status != 404 else "(unknown)", status)
+        return response
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        self.metrics.count_request(request.url.path, 500)
+        return _error_response(
+            APIError(500, f"Internal error: {type(exc).__name__}: {exc}", type="server_error")
+        )
+
+    async def _json_body(self, request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large()
+        body = bytearray()
+        async for part in request.stream():  # also bounds bodies sent without a length
+            body += part
+            if len(body) > self.max_body_bytes:
+                raise self._too_large()
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"The request body is not valid JSON ({e}).") from None
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"The request body is larger than {self.max_body_bytes} bytes "
+            "(`ondevice serve --max-body-bytes`).",
+            code="request_too_large",
+        )
+
+    def _parse(self, cls: type, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise APIError(400, "The request body must be a JSON object.")
+        try:
+            req = cls.model_validate(data)
+        except ValidationError as e:
+            message, param = validation_message(e)
+            raise APIError(400, message, param=param) from None
+        if req.model != self.model_id:
+            raise APIError(
+                404,
+                f"The model '{req.model}' does not exist on this server; it serves "
+                f"'{self.model_id}' (see GET /v1/models).",
+                param="model",
+                code="model_not_found",
+            )
+        return req
+
+    async def _options(self, req: Any, prompt: Any, chat_template: bool) -> dict[str, Any]:
+        """Generation keyword arguments; checks the prompt and max_tokens against the context."""
+        try:
+            n_prompt = await anyio.to_thread.run_sync(
+                lambda: self.gen.count_tokens(prompt, chat_template=chat_template)
+            )
+        except OndeviceError as e:
+            raise APIError(400, str(e), param="messages" if chat_template else "prompt") from None
+        context = self.gen.context_length
+        where = "messages" if chat_template else "prompt"
+        if n_prompt >= context:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {context} tokens, and the prompt alone "
+                f"has {n_prompt} tokens. Shorten the prompt.",
+                param=where,
+                code="context_length_exceeded",
+            )
+        max_tokens = req.max_tokens if req.max_tokens is not None else context - n_prompt
+        if n_prompt + max_tokens > context:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {context} tokens. However, you "
+                f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "
+                f"{max_tokens} for the completion). Shorten the prompt or lower max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return {
+            "max_tokens": max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "seed": req.seed,
+            "num_draft_tokens": req.num_draft_tokens,
+            "speculative": req.speculative,
+            "stop": req.stop_list(),
+            "chat_template": chat_template,
+        }
+
+    # -- endpoints ------------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        req = self._parse(ChatCompletionRequest, await self._json_body(request))
+        prompt = req.prompt()
+        return await self._generate(request, req, prompt, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        req = self._parse(CompletionRequest, await self._json_body(request))
+        return await self._generate(request, req, req.prompt_value(), chat=False)
+
+    async def _generate(self, request: Request, req: Any, prompt: Any, chat: bool) -> Response:
+        options = await self._options(req, prompt, chat_template=chat)
+        shape = _Shape(
+            chat=chat,
+            id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+            created=int(time.time()),
+            model=self.model_id,
+        )
+        run = self.slot.start(prompt, options)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _ClosingStream(shape.events(run, include_usage), on_close=run.cancel)
+        try:
+            text, last = await _until_disconnect(request, _collect(run))
+        finally:
+            run.cancel()
+        return JSONResponse(shape.response(text, last))
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        if request.path_params["model_id"] != self.model_id:
+            raise APIError(
+                404,
+                f"The model '{request.path_params['model_id']}' does not exist on this server.",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "ondevice",
+            "context_length": self.gen.context_length,
+            "draft_backend": self.gen.draft_backend,
+        }
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": self.model_id,
+                "busy": self.slot.busy,
+                "queue_length": self.slot.waiting,
+            }
+        )
+
+    async def prometheus(self, request: Request) -> Response:
+        text = self.metrics.render(self.slot.waiting, self.slot.busy)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+def _generation_error(e: BaseException) -> APIError:
+    if isinstance(e, ContextLengthError):
+        return APIError(400, str(e), param="messages", code="context_length_exceeded")
+    if isinstance(e, OndeviceError):
+        return APIError(400, str(e))
+    return APIError(500, f"Generation failed: {type(e).__name__}: {e}", type="server_error")
+
+
+async def _collect(run: Run) -> tuple[str, Chunk]:
+    parts: list[str] = []
+    last: Chunk | None = None
+    try:
+        async for chunk in run:
+            parts.append(chunk.text)
+            last = chunk
+    except Exception as e:
+        raise _generation_error(e) from None
+    if last is None:
+        raise APIError(500, "The generation ended without a result.", type="server_error")
+    return "".join(parts), last
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, but give up (ClientDisconnect) if the client closes the connection."""
+    result: list[Any] = []
+    gone = False
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        nonlocal gone
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                gone = True
+                scope.cancel()
+                return
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        result.append(await work)
+        tg.cancel_scope.cancel()
+    if gone:
+        raise ClientDisconnect()
+    return result[0]
+
+
+@dataclass
+class _Shape:
+    """The JSON shapes of one answer: chat or text completion, whole or as SSE chunks."""
+
+    chat: bool
+    id: str
+    created: int
+    model: str
+
+    def _envelope(self, choices: list[dict[str, Any]], streamed: bool) -> dict[str, Any]:
+        if self.chat:
+            obj = "chat.completion.chunk" if streamed else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": FINGERPRINT,
+            "choices": choices,
+        }
+
+    def _choice(self, text: str | None, finish: str | None, streamed: bool, role: bool = False):
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if streamed:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        message = {"role": "assistant", "content": text, "refusal": None}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+
+    def response(self, text: str, last: Chunk) -> dict[str, Any]:
+        stats = last.stats or {}
+        body = self._envelope([self._choice(text, _finish(last), streamed=False)], False)
+        body["usage"] = _usage(stats)
+        body["ondevice"] = stats
+        return body
+
+    async def events(self, run: Run, include_usage: bool) -> AsyncIterator[str]:
+        usage_field = {"usage": None} if include_usage else {}
+        if self.chat:  # OpenAI announces the role first, with empty content
+            yield _sse(
+                self._envelope([self._choice("", None, True, role=True)], True) | usage_field
+            )
+        try:
+            async for chunk in run:
+                if chunk.finish_reason is None:
+                    if chunk.text:
+                        body = self._envelope([self._choice(chunk.text, None, True)], True)
+                        yield _sse(body | usage_field)
+                    continue
+                stats = chunk.stats or {}
+                if chunk.text:  # the last chunk may still carry text held back for stop strings
+                    yield _sse(
+                        self._envelope([self._choice(chunk.text, None, True)], True) | usage_field
+                    )
+                final = self._envelope([self._choice(None, _finish(chunk), True)], True)
+                final["ondevice"] = stats
+                yield _sse(final | usage_field)
+                if include_usage:
+                    yield _sse(self._envelope([], True) | {"usage": _usage(stats)})
+        except Exception as e:
+            # Headers are gone already: report the error in the stream, as OpenAI does.
+            yield _sse(_generation_error(e).body())
+        yield _sse("[DONE]")
+
+
+def _finish(chunk: Chunk) -> str:
+    return "length" if chunk.finish_reason == "length" else "stop"
+
+
+def _usage(stats: dict[str, Any]) -> dict[str, int]:
+    prompt, completion = int(stats.get("prompt_tokens", 0)), int(stats.get("generation_tokens", 0))
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def create_app(gen: Generator, **kwargs: Any) -> Starlette:
+    """A starlette app serving `gen`; keyword arguments as for `OpenAIServer`."""
+    return OpenAIServer(gen, **kwargs).app
+
+
+__all__ = ["DEFAULT_MAX_BODY", "OpenAIServer", "create_app", "error_body"]
