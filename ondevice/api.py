@@ -159,7 +159,9 @@ class Generator:
         if not self._lock.acquire(blocking=False):
             raise OndeviceError("this model is already generating; wait for it to finish.")
         try:
-            yield from self._stream(ids, max_tokens, params, seed, num_draft_tokens, speculative, stops, _cancel)
+            yield from self._stream(
+                ids, max_tokens, params, seed, num_draft_tokens, speculative, stops, _cancel
+            )
         finally:
             self._lock.release()
 
@@ -289,7 +291,9 @@ def load(
     """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
     draft. A pair bundle brings its own draft (Core ML and MLX)."""
     if draft_backend not in DRAFT_BACKENDS:
-        raise OndeviceError(f"unknown draft backend {draft_backend!r}; choose one of {', '.join(DRAFT_BACKENDS)}.")
+        raise OndeviceError(
+            f"unknown draft backend {draft_backend!r}; choose one of {', '.join(DRAFT_BACKENDS)}."
+        )
     if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
         raise OndeviceError(f"unknown dtype {dtype!r}; choose float32, float16 or bfloat16.")
     from ondevice.models.hub import resolve

@@ -22,7 +22,9 @@ def _logits(model, toks):
 @pytest.mark.parametrize("quant", [None, "Q8_0", "Q4_1"])
 def test_gguf_matches_safetensors(tmp_path, quant):
     path, ref = tiny.write_gguf(tmp_path / "m.gguf", quant=quant, tie=False)
-    st = tiny.write_model(tmp_path / "st", weights=ref["weights"], vocab_size=ref["config"]["vocab_size"])
+    st = tiny.write_model(
+        tmp_path / "st", weights=ref["weights"], vocab_size=ref["config"]["vocab_size"]
+    )
     a = load_model(path, dtype="float32")
     b = load_model(st)
     toks = [5, 70, 80, 90, 100, 110, 6, 7]
@@ -42,7 +44,9 @@ def test_gguf_tokenizer_and_template(tmp_path):
     assert tok.decode(ids) == "hello world"
     assert tok.id_to_token(ids[0]) == "hell"  # merges applied
     assert tok.encode("<|im_end|>", add_special_tokens=False) == [4]  # specials never split
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]).startswith("<|im_start|>user")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]).startswith(
+        "<|im_start|>user"
+    )
     assert tiny.EOS_ID in tok.eos_token_ids
 
 
@@ -107,7 +111,9 @@ def test_missing_path(tmp_path):
 
 
 def _cli(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "ondevice", *args], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "ondevice", *args], capture_output=True, text=True, timeout=300
+    )
     if check:
         assert r.returncode == 0, r.stderr
     return r
@@ -119,14 +125,29 @@ def test_generate_json_matches_mlx_lm_greedy(tmp_path):
 
     path = tiny.write_model(tmp_path / "m")
     prompt = [5, 9, 14, 3, 27]
-    out = json.loads(_cli("generate", "--verifier", str(path), "--prompt-ids", ",".join(map(str, prompt)),
-                          "--max-tokens", "24", "--json").stdout)
+    out = json.loads(
+        _cli(
+            "generate",
+            "--verifier",
+            str(path),
+            "--prompt-ids",
+            ",".join(map(str, prompt)),
+            "--max-tokens",
+            "24",
+            "--json",
+        ).stdout
+    )
     model, _ = mlx_lm.load(str(path))
     ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=24)]
     eos = [i for i, t in enumerate(ref) if t == tiny.EOS_ID]
     expected = ref[: eos[0]] if eos else ref  # mlx_lm's generate_step does not stop at EOS
     assert out["tokens"] == expected and len(expected) >= 8
-    assert set(out["stats"]) >= {"prompt_tokens", "generation_tokens", "tokens_per_second", "peak_memory_bytes"}
+    assert set(out["stats"]) >= {
+        "prompt_tokens",
+        "generation_tokens",
+        "tokens_per_second",
+        "peak_memory_bytes",
+    }
     assert out["stats"]["generation_tokens"] == len(expected) and out["stats"]["prompt_tokens"] == 5
 
 

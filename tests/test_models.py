@@ -40,8 +40,13 @@ def test_logits_match_mlx_lm(tmp_path, arch, tie):
 def test_llama3_rope_scaling_matches_mlx_lm(tmp_path):
     import mlx_lm
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     path = tiny.write_model(tmp_path / "l3", rope_scaling=scaling, rope_theta=500000.0)
     ours = load_model(path).model
     ref, _ = mlx_lm.load(str(path))
@@ -128,7 +133,9 @@ def test_sharded_checkpoint_loads_like_single(tmp_path):
     one = tiny.write_model(tmp_path / "one", seed=3)
     many = tiny.write_model(tmp_path / "many", seed=3, shards=3)
     toks = mx.array([[5, 6, 7]])
-    np.testing.assert_array_equal(_np(load_model(one).model(toks)), _np(load_model(many).model(toks)))
+    np.testing.assert_array_equal(
+        _np(load_model(one).model(toks)), _np(load_model(many).model(toks))
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -143,7 +150,9 @@ def test_quantize_on_load_and_save_roundtrip_with_mlx_lm(tmp_path, bits):
 
     from ondevice.models.weights import save_model
 
-    lm = load_model(tiny.write_model(tmp_path / "m", hidden_size=64, intermediate=128), quantize=bits)
+    lm = load_model(
+        tiny.write_model(tmp_path / "m", hidden_size=64, intermediate=128), quantize=bits
+    )
     toks = mx.array([[5, 6, 7, 8]])
     ours = lm.model(toks)
     save_model(lm.model, tmp_path / "q")

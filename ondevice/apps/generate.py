@@ -14,14 +14,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Generate text for one prompt. Text streams to stdout; statistics go to stderr.",
     )
     src = p.add_argument_group("models")
-    src.add_argument("--model", "--verifier", dest="model", required=True, metavar="PATH_OR_ID",
-                     help="verifier: pair bundle, model folder, .gguf file, cached name or hub id")
+    src.add_argument(
+        "--model",
+        "--verifier",
+        dest="model",
+        required=True,
+        metavar="PATH_OR_ID",
+        help="verifier: pair bundle, model folder, .gguf file, cached name or hub id",
+    )
     src.add_argument("--draft", metavar="PATH_OR_ID", help="draft model (a bundle brings its own)")
-    src.add_argument("--draft-backend", default="auto", choices=["auto", "coreml", "reference", "mlx"])
+    src.add_argument(
+        "--draft-backend", default="auto", choices=["auto", "coreml", "reference", "mlx"]
+    )
     src.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     src.add_argument("--quantize", type=int, choices=[4, 8], help="quantize the verifier on load")
     pr = p.add_mutually_exclusive_group(required=True)
-    pr.add_argument("--prompt", help="prompt text (sent as a user message through the chat template)")
+    pr.add_argument(
+        "--prompt", help="prompt text (sent as a user message through the chat template)"
+    )
     pr.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     g = p.add_argument_group("decoding")
     g.add_argument("--max-tokens", type=int, default=256)
@@ -30,7 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--num-draft-tokens", type=int, metavar="K", help="fixed draft length (default: adaptive)")
+    g.add_argument(
+        "--num-draft-tokens", type=int, metavar="K", help="fixed draft length (default: adaptive)"
+    )
     g.add_argument("--no-speculative", action="store_true", help="run the verifier alone")
     g.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
@@ -43,15 +55,22 @@ def _prompt_ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
-        raise OndeviceError(f"--prompt-ids must be comma-separated integers, got {text!r}.") from None
+        raise OndeviceError(
+            f"--prompt-ids must be comma-separated integers, got {text!r}."
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
     import ondevice
 
     prompt = args.prompt if args.prompt is not None else _prompt_ids(args.prompt_ids)
-    gen = ondevice.load(args.model, args.draft, draft_backend=args.draft_backend, dtype=args.dtype,
-                        quantize=args.quantize)
+    gen = ondevice.load(
+        args.model,
+        args.draft,
+        draft_backend=args.draft_backend,
+        dtype=args.dtype,
+        quantize=args.quantize,
+    )
     kwargs = dict(
         max_tokens=args.max_tokens,
         temperature=args.temp,
@@ -65,8 +84,16 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.json:
         r = gen.generate(prompt, **kwargs)
-        print(json.dumps({"text": r.text, "tokens": r.tokens, "finish_reason": r.finish_reason,
-                          "stats": r.stats}))
+        print(
+            json.dumps(
+                {
+                    "text": r.text,
+                    "tokens": r.tokens,
+                    "finish_reason": r.finish_reason,
+                    "stats": r.stats,
+                }
+            )
+        )
         return 0
     stats = {}
     for chunk in gen.stream(prompt, **kwargs):
@@ -80,9 +107,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_stats(s: dict) -> str:
-    line = (f"{s['generation_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, "
-            f"prompt {s['prompt_tokens']} tokens in {s['prompt_seconds']:.2f}s")
+    line = (
+        f"{s['generation_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, "
+        f"prompt {s['prompt_tokens']} tokens in {s['prompt_seconds']:.2f}s"
+    )
     if s.get("drafted"):
-        line += (f", acceptance {s['acceptance_rate']:.0%}, {s['mean_accepted_length']:.2f} "
-                 f"tokens/pass (draft: {s['draft_backend']})")
+        line += (
+            f", acceptance {s['acceptance_rate']:.0%}, {s['mean_accepted_length']:.2f} "
+            f"tokens/pass (draft: {s['draft_backend']})"
+        )
     return line

@@ -12,7 +12,14 @@ from ondevice.models.hub import resolve
 from ondevice.models.tokenizer import Tokenizer
 from ondevice.models.transformer import Model
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "Model", "ModelConfig", "Tokenizer", "load_model"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "LoadedModel",
+    "Model",
+    "ModelConfig",
+    "Tokenizer",
+    "load_model",
+]
 
 
 @dataclass
@@ -59,8 +66,10 @@ def _check_extra_fields(path: Path, cfg: ModelConfig) -> None:
     raw = json.loads(path.read_text())
     if raw.get("mlp_bias"):
         raise ModelFormatError(f"{path}: mlp_bias=true is not supported.")
-    if cfg.model_type == "mistral" and raw.get("sliding_window") not in (None, 0) and raw.get(
-        "sliding_window", 0
-    ) < raw.get("max_position_embeddings", 0):
+    if (
+        cfg.model_type == "mistral"
+        and raw.get("sliding_window") not in (None, 0)
+        and raw.get("sliding_window", 0) < raw.get("max_position_embeddings", 0)
+    ):
         # Sliding-window attention only differs beyond the window; we cap the context there.
         cfg.max_position_embeddings = min(cfg.max_position_embeddings, int(raw["sliding_window"]))

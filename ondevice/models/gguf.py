@@ -23,10 +23,35 @@ from ondevice.models.config import ModelConfig
 from ondevice.models.tokenizer import Tokenizer
 
 GGML_TYPES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
-    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
-    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
-    23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16",
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    8: "Q8_0",
+    9: "Q8_1",
+    10: "Q2_K",
+    11: "Q3_K",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+    15: "Q8_K",
+    16: "IQ2_XXS",
+    17: "IQ2_XS",
+    18: "IQ3_XXS",
+    19: "IQ1_S",
+    20: "IQ4_NL",
+    21: "IQ3_S",
+    22: "IQ2_S",
+    23: "IQ4_XS",
+    24: "I8",
+    25: "I16",
+    26: "I32",
+    27: "I64",
+    28: "F64",
+    29: "IQ1_M",
+    30: "BF16",
 }
 SUPPORTED_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
 GROUP_SIZE = 32  # every GGUF block format that mx.load keeps quantized uses 32-value blocks
@@ -50,6 +75,7 @@ _NAMES = {  # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "mod
 
 # -- header --------------------------------------------------------------------------------------
 
+
 def _read(f: BinaryIO, fmt: str) -> Any:
     size = struct.calcsize(fmt)
     data = f.read(size)
@@ -63,7 +89,19 @@ def _read_str(f: BinaryIO) -> str:
     return f.read(n).decode("utf-8", errors="replace")
 
 
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 
 
 def _skip_value(f: BinaryIO, vtype: int) -> None:
@@ -105,10 +143,13 @@ def tensor_types(path: Path) -> dict[str, str]:
                 types[name] = GGML_TYPES.get(t, f"type {t}")
             return types
     except (EOFError, ValueError, struct.error):
-        raise ModelFormatError(f"{path}: truncated or corrupt GGUF header; download it again.") from None
+        raise ModelFormatError(
+            f"{path}: truncated or corrupt GGUF header; download it again."
+        ) from None
 
 
 # -- config and tokenizer --------------------------------------------------------------------
+
 
 def _scalar(v: Any) -> Any:
     if isinstance(v, mx.array):
@@ -116,7 +157,9 @@ def _scalar(v: Any) -> Any:
     return v
 
 
-def config_from_metadata(meta: dict[str, Any], n_vocab: int, has_output: bool, source: str) -> ModelConfig:
+def config_from_metadata(
+    meta: dict[str, Any], n_vocab: int, has_output: bool, source: str
+) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise ModelFormatError(
@@ -170,10 +213,21 @@ def tokenizer_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer:
     elif kind == "llama":
         scores = _scalar(meta.get("tokenizer.ggml.scores")) or [0.0] * len(tokens)
         unk = int(_scalar(meta.get("tokenizer.ggml.unknown_token_id", 0)))
-        tok = HFTokenizer(models.Unigram([(t, float(s)) for t, s in zip(tokens, scores)], unk_id=unk, byte_fallback=True))
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok = HFTokenizer(
+            models.Unigram(
+                [(t, float(s)) for t, s in zip(tokens, scores)], unk_id=unk, byte_fallback=True
+            )
+        )
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+        )
         tok.decoder = decoders.Sequence(
-            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+            [
+                decoders.Replace("▁", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
         )
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"(?!)"), "isolated")  # no splitting
     else:
@@ -190,7 +244,11 @@ def tokenizer_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer:
         i = meta.get(key)
         return tokens[int(_scalar(i))] if i is not None and int(_scalar(i)) < len(tokens) else None
 
-    eos_ids = [int(_scalar(meta["tokenizer.ggml.eos_token_id"]))] if "tokenizer.ggml.eos_token_id" in meta else []
+    eos_ids = (
+        [int(_scalar(meta["tokenizer.ggml.eos_token_id"]))]
+        if "tokenizer.ggml.eos_token_id" in meta
+        else []
+    )
     eot = meta.get("tokenizer.ggml.eot_token_id")
     if eot is not None:
         eos_ids.append(int(_scalar(eot)))
@@ -205,6 +263,7 @@ def tokenizer_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer:
 
 
 # -- weights -------------------------------------------------------------------------------------
+
 
 def _unpermute(w: mx.array, n_heads: int) -> mx.array:
     """Undo llama.cpp's row permutation of Q/K (interleaved RoPE -> half-split RoPE).
@@ -231,7 +290,9 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, mx.array], Token
     try:
         raw, meta = mx.load(str(path), return_metadata=True)
     except Exception as e:
-        raise ModelFormatError(f"{source}: cannot read GGUF weights ({e}); the file may be truncated.") from None
+        raise ModelFormatError(
+            f"{source}: cannot read GGUF weights ({e}); the file may be truncated."
+        ) from None
     n_vocab = len(meta.get("tokenizer.ggml.tokens") or [])
     cfg = config_from_metadata(meta, n_vocab, "output.weight" in raw, source)
     arch = cfg.model_type
@@ -265,12 +326,16 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, mx.array], Token
     if quant:
         common = Counter((q["group_size"], q["bits"]) for q in quant.values()).most_common(1)[0][0]
         cfg.quantization = {"group_size": common[0], "bits": common[1]}
-        cfg.quantization.update({p: q for p, q in quant.items() if (q["group_size"], q["bits"]) != common})
+        cfg.quantization.update(
+            {p: q for p, q in quant.items() if (q["group_size"], q["bits"]) != common}
+        )
     tokenizer = tokenizer_from_metadata(meta, source)
     return cfg, weights, tokenizer
 
 
-def dequantize_all(weights: dict[str, mx.array], quant: dict[str, Any] | None) -> dict[str, np.ndarray]:
+def dequantize_all(
+    weights: dict[str, mx.array], quant: dict[str, Any] | None
+) -> dict[str, np.ndarray]:
     """Float32 numpy copies of all weights (quantized ones expanded), for converters."""
     out: dict[str, np.ndarray] = {}
     for name, w in weights.items():
@@ -279,6 +344,8 @@ def dequantize_all(weights: dict[str, mx.array], quant: dict[str, Any] | None) -
             continue
         if quant and base in quant and kind == "weight":
             q = quant[base]
-            w = mx.dequantize(w, weights[f"{base}.scales"], weights[f"{base}.biases"], q["group_size"], q["bits"])
+            w = mx.dequantize(
+                w, weights[f"{base}.scales"], weights[f"{base}.biases"], q["group_size"], q["bits"]
+            )
         out[name] = np.array(w.astype(mx.float32))
     return out

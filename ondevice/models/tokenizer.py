@@ -164,8 +164,16 @@ def _compile(template: str):
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
-        def tojson(x: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        def tojson(
+            x: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys=False
+        ):
+            return json.dumps(
+                x,
+                ensure_ascii=ensure_ascii,
+                indent=indent,
+                separators=separators,
+                sort_keys=sort_keys,
+            )
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = tojson

@@ -82,9 +82,9 @@ def build_model(
         nn.quantize(
             model,
             class_predicate=lambda p, m: (
-                hasattr(m, "to_quantized") and f"{p}.scales" in weights and _quant_params(cfg, p)
-            )
-            or False,
+                (hasattr(m, "to_quantized") and f"{p}.scales" in weights and _quant_params(cfg, p))
+                or False
+            ),
         )
     expected = dict(tree_flatten(model.parameters()))
     missing = [k for k in expected if k not in weights]
@@ -107,10 +107,17 @@ def build_model(
             )
     target = DTYPES[dtype] if dtype else None
     if target is None:
-        floats = [v.dtype for k, v in weights.items() if mx.issubdtype(v.dtype, mx.floating) and not k.endswith(("scales", "biases"))]
+        floats = [
+            v.dtype
+            for k, v in weights.items()
+            if mx.issubdtype(v.dtype, mx.floating) and not k.endswith(("scales", "biases"))
+        ]
         target = Counter(floats).most_common(1)[0][0] if floats else mx.float16
     model.load_weights(
-        [(k, v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in weights.items()]
+        [
+            (k, v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v)
+            for k, v in weights.items()
+        ]
     )
     if quantize:
         if quantize not in (4, 8):
@@ -120,8 +127,9 @@ def build_model(
             model,
             group_size=group,
             bits=quantize,
-            class_predicate=lambda p, m: isinstance(m, (nn.Linear, nn.Embedding))
-            and m.weight.shape[-1] % group == 0,
+            class_predicate=lambda p, m: (
+                isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % group == 0
+            ),
         )
         cfg.quantization = {"group_size": group, "bits": quantize}
     mx.eval(model.parameters())
@@ -157,4 +165,8 @@ def save_model(model: Model, path: str | Path) -> None:
     cfg.quantization = quantization_config(model)
     d = cfg.to_hf_dict()
     (path / "config.json").write_text(json.dumps(d, indent=1))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(path / "model.safetensors"),
+        dict(tree_flatten(model.parameters())),
+        metadata={"format": "mlx"},
+    )

@@ -1,0 +1,469 @@
+"""Lossless speculative decoding: greedy identity, exact acceptance rule, distribution tests."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import tiny
+from scipy.stats import chi2
+
+import ondevice
+from ondevice.errors import ContextLengthError, OndeviceError, TokenizerMismatchError
+from ondevice.runtime.engines import MLXEngine
+from ondevice.speculative import accept
+from ondevice.speculative.decoder import SpeculativeDecoder
+from ondevice.speculative.sampling import SamplingParams, probabilities
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pair")
+    v = tiny.write_model(d / "v", layers=2, scale=1.5)
+    dr = tiny.perturbed_copy(v, d / "d", noise=0.5)
+    return v, dr
+
+
+@pytest.fixture(scope="module")
+def gen(pair):
+    return ondevice.load(*pair)
+
+
+PROMPTS = [
+    "hello world",
+    "the cat sat",
+    "a",
+    "abcabcabc",
+    "Hi!",
+    "zzz",
+    "one two three",
+    "What?",
+    "1 2 3 4",
+    "x.y.z",
+    "AAAA",
+    "lorem ipsum",
+    "q",
+    "speculative",
+    "decoding",
+    "tiny model",
+    "!!!",
+    "mixed CASE",
+    "end.",
+    "more text here",
+]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_speculative_equals_verifier_alone(gen, k):
+    total_accepted = 0
+    for prompt in PROMPTS:
+        plain = gen.generate(prompt, max_tokens=24, speculative=False)
+        spec = gen.generate(prompt, max_tokens=24, num_draft_tokens=k)
+        assert spec.tokens == plain.tokens, prompt
+        assert spec.text == plain.text
+        assert spec.finish_reason == plain.finish_reason
+        total_accepted += spec.stats["accepted"]
+    assert total_accepted > 0  # the draft resembles the verifier: some drafts pass
+
+
+def test_adaptive_k_is_lossless_and_reports_stats(gen):
+    r = gen.generate("hello world", max_tokens=30)
+    assert r.tokens == gen.generate("hello world", max_tokens=30, speculative=False).tokens
+    s = r.stats
+    for key in (
+        "prompt_tokens",
+        "generation_tokens",
+        "rounds",
+        "drafted",
+        "accepted",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "tokens_per_second",
+        "time_draft_s",
+        "time_verify_s",
+        "peak_memory_bytes",
+    ):
+        assert key in s
+    assert s["acceptance_rate"] == pytest.approx(s["accepted"] / s["drafted"])
+    assert s["draft_backend"] == "mlx"
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_identical_draft_accepts_everything(pair, k):
+    g = ondevice.load(pair[0], pair[0])
+    r = g.generate("the cat sat", max_tokens=40, num_draft_tokens=k, chat_template=False)
+    assert r.stats["acceptance_rate"] == 1.0
+    assert r.stats["mean_accepted_length"] == k + 1
+
+
+def test_eos_inside_an_accepted_block_ends_generation(tmp_path):
+    v = tiny.write_model(tmp_path / "v", scale=1.5)
+    g0 = ondevice.load(v)
+    prompt = next(
+        p for p in PROMPTS if len(g0.generate(p, max_tokens=20, chat_template=False).tokens) >= 8
+    )
+    plain = g0.generate(prompt, max_tokens=20, chat_template=False)
+    # make the 6th generated token an end-of-sequence token, then draft with the verifier itself
+    cfg = json.loads((v / "config.json").read_text())
+    cfg["eos_token_id"] = [tiny.EOS_ID, plain.tokens[5]]
+    (v / "config.json").write_text(json.dumps(cfg))
+    first = plain.tokens.index(plain.tokens[5])
+    g = ondevice.load(v, v)
+    r = g.generate(prompt, max_tokens=20, num_draft_tokens=8, chat_template=False)
+    assert r.tokens == plain.tokens[:first]
+    assert r.finish_reason == "stop"
+    assert r.stats["rounds"] == 1  # the EOS came inside the first, fully accepted block
+
+
+def test_stop_strings_are_cut_and_not_emitted(gen):
+    full = gen.generate("hello world", max_tokens=30, speculative=False).text
+    assert len(full) > 6
+    stop = full[3:5]  # spans token boundaries (one character per token)
+    r = gen.generate("hello world", max_tokens=30, stop=[stop])
+    assert r.text == full[: full.index(stop)]
+    assert r.finish_reason == "stop"
+
+
+def test_prompt_longer_than_context(gen):
+    with pytest.raises(ContextLengthError, match="context"):
+        gen.generate(list(range(5, 90)) * 7, max_tokens=4)
+
+
+def test_sampling_is_reproducible_with_a_seed(gen):
+    a = gen.generate("hello", max_tokens=30, temperature=1.0, seed=7)
+    b = gen.generate("hello", max_tokens=30, temperature=1.0, seed=7)
+    c = gen.generate("hello", max_tokens=30, temperature=1.0, seed=8)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+def test_bad_arguments_are_clear(gen):
+    with pytest.raises(OndeviceError, match="temperature"):
+        gen.generate("x", temperature=-1)
+    with pytest.raises(OndeviceError, match="top_p"):
+        gen.generate("x", top_p=0)
+    with pytest.raises(OndeviceError, match="outside the vocabulary"):
+        gen.generate([1, 10_000])
+
+
+def test_prompt_forms(gen):
+    msgs = [{"role": "user", "content": "hello world"}]
+    a = gen.generate(msgs, max_tokens=8)
+    b = gen.generate("hello world", max_tokens=8)
+    ids = gen.tokenizer.encode(gen.tokenizer.apply_chat_template(msgs), add_special_tokens=False)
+    c = gen.generate(ids, max_tokens=8)
+    assert a.tokens == b.tokens == c.tokens
+
+
+def test_stream_and_astream_agree_with_generate(pair):
+    import asyncio
+
+    gen = ondevice.load(pair[0], pair[0])  # identical draft: from_draft must show up
+
+    ref = gen.generate("hello world", max_tokens=20)
+    chunks = list(gen.stream("hello world", max_tokens=20))
+    assert [t for c in chunks for t in c.tokens] == ref.tokens
+    assert "".join(c.text for c in chunks) == ref.text
+    assert chunks[-1].finish_reason == ref.finish_reason and chunks[-1].stats
+    assert 0 < sum(c.from_draft for c in chunks) <= ref.stats["accepted"]
+
+    async def collect():
+        return [c async for c in gen.astream("hello world", max_tokens=20)]
+
+    achunks = asyncio.run(collect())
+    assert [t for c in achunks for t in c.tokens] == ref.tokens
+
+
+def test_mismatched_tokenizers_fail_before_generation(tmp_path):
+    v = tiny.write_model(tmp_path / "v")
+    d = tiny.write_model(tmp_path / "d", seed=1)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = [k for k, i in vocab.items() if i in (10, 11)]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(TokenizerMismatchError, match="token id 10"):
+        ondevice.load(v, d)
+
+
+# -- the acceptance rule by exact enumeration ------------------------------------------------
+
+
+class _Need(Exception):
+    pass
+
+
+class _ScriptedRng:
+    """Plays back a fixed list of uniforms; asks for more by raising `_Need`."""
+
+    def __init__(self, script):
+        self.script, self.i = script, 0
+
+    def random(self):
+        if self.i == len(self.script):
+            raise _Need
+        self.i += 1
+        return self.script[self.i - 1]
+
+
+def _exact_outcomes(fn, breakpoints):
+    """{outcome: probability} of fn(rng), integrating over every uniform it draws exactly.
+
+    fn's control flow depends on each uniform only through comparisons with values in
+    `breakpoints`, so it is constant between consecutive breakpoints: one evaluation at the
+    midpoint of each interval, weighted by the interval's length, is exact."""
+    pts = np.unique(np.concatenate([[0.0, 1.0], np.clip(breakpoints, 0, 1)]))
+    mids, widths = (pts[1:] + pts[:-1]) / 2, np.diff(pts)
+    out: Counter = Counter()
+
+    def rec(script, weight):
+        try:
+            res = fn(_ScriptedRng(script))
+        except _Need:
+            for m, w in zip(mids, widths):
+                if w > 0:
+                    rec([*script, m], weight * w)
+            return
+        out[res] += weight
+
+    rec([], 1.0)
+    return out
+
+
+def _breakpoints(ps, qs):
+    bps = []
+    for p, q in zip(ps, qs):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            bps.extend(np.where(q > 0, p / q, 0))
+        bps.extend(np.cumsum(p))
+        r = np.maximum(p - q, 0)
+        if r.sum() > 0:
+            bps.extend(np.cumsum(r / r.sum()))
+    return np.array(bps)
+
+
+def _random_dist(rng, v, zeros=0):
+    x = rng.random(v) ** 2
+    x[rng.choice(v, zeros, replace=False)] = 0
+    return x / x.sum()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_chain_rule_emits_exactly_p_two_positions(seed):
+    """K=2 drafts over V=4 with context-dependent distributions: the joint law of the first two
+    emitted tokens equals the verifier's p(x1) p(x2 | x1), to rounding."""
+    rng = np.random.default_rng(seed)
+    V = 4
+    p1, q1 = _random_dist(rng, V), _random_dist(rng, V, zeros=1)
+    p2 = {x: _random_dist(rng, V, zeros=seed % 2) for x in range(V)}
+    q2 = {x: _random_dist(rng, V) for x in range(V)}
+    p3 = {x: _random_dist(rng, V) for x in range(V)}  # bonus position after two drafts
+    joint: Counter = Counter()
+    for d1, d2 in itertools.product(range(V), range(V)):
+        w = q1[d1] * q2[d1][d2]
+        if w == 0:
+            continue
+        q = np.stack([q1, q2[d1]])
+        p = np.stack([p1, p2[d1], p3[d2]])
+
+        def fn(r, q=q, p=p, d1=d1, d2=d2):
+            n, tok = accept.speculative([d1, d2], q, p, r)
+            first = d1 if n >= 1 else tok
+            second = (d2 if n == 2 else tok) if n >= 1 else None
+            return first, second, n
+
+        bps = _breakpoints([p1, p2[d1], p3[d2]], [q1, q2[d1], np.zeros(V)])
+        for (first, second, n), pr in _exact_outcomes(fn, bps).items():
+            joint[(first, second, n)] += w * pr
+    # first token: exactly p1
+    first = np.zeros(V)
+    for (f, _, _), pr in joint.items():
+        first[f] += pr
+    np.testing.assert_allclose(first, p1, atol=1e-12)
+    # second token, given the first was an accepted draft (n >= 1): exactly p2[first]
+    for f in range(V):
+        cond = np.zeros(V)
+        for (ff, s, n), pr in joint.items():
+            if ff == f and n >= 1:
+                cond[s] += pr
+        if cond.sum() > 1e-12:
+            np.testing.assert_allclose(cond / cond.sum(), p2[f], atol=1e-9)
+
+
+def test_greedy_rule():
+    assert accept.greedy([3, 4, 5], [3, 4, 9, 1]) == (2, 9)
+    assert accept.greedy([3, 4], [3, 4, 7]) == (2, 7)
+    assert accept.greedy([3], [2, 0]) == (0, 2)
+
+
+def test_enumeration_catches_a_rule_without_the_residual():
+    """The same exact enumeration shows a subtly wrong rule (resampling from p instead of the
+    residual after a rejection) to be biased, so the check above has teeth."""
+    p, q = np.array([0.6, 0.3, 0.1]), np.array([0.2, 0.2, 0.6])
+
+    def wrong(drafts, q, p, rng):
+        x = drafts[0]
+        if rng.random() * q[0, x] < p[0, x]:
+            return 1, 0
+        return 0, accept.sample(p[0], rng)
+
+    first = np.zeros(3)
+    for d in range(3):
+        outcomes = _exact_outcomes(
+            lambda r, d=d: (lambda n, t: d if n else t)(*wrong([d], q[None], np.stack([p, p]), r)),
+            _breakpoints([p], [q]),
+        )
+        for tok, pr in outcomes.items():
+            first[tok] += q[d] * pr
+    assert np.abs(first - p).max() > 0.05
+
+
+def test_sampling_transform():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    np.testing.assert_allclose(probabilities(logits, SamplingParams(1.0)), [0.5, 0.3, 0.15, 0.05])
+    np.testing.assert_allclose(
+        probabilities(logits, SamplingParams(1.0, top_k=2)), [0.625, 0.375, 0, 0]
+    )
+    np.testing.assert_allclose(
+        probabilities(logits, SamplingParams(1.0, top_p=0.75)), [0.625, 0.375, 0, 0]
+    )
+    np.testing.assert_allclose(
+        probabilities(logits, SamplingParams(1.0, top_p=0.81)),
+        [0.5, 0.3, 0.15, 0] / np.float64(0.95),
+    )
+    np.testing.assert_allclose(probabilities(logits, SamplingParams(0.0)), [1, 0, 0, 0])
+    hot = probabilities(logits, SamplingParams(2.0))
+    assert hot[3] > 0.05 and hot.sum() == pytest.approx(1.0)
+
+
+# -- end to end: the distribution of the first two tokens ----------------------------------------
+
+
+class MemoEngine:
+    """The real MLX engine, with its answers memoised per token prefix.
+
+    The decoder under test runs unchanged; the model is simply never asked twice for the same
+    prefix, which makes tens of thousands of samples affordable."""
+
+    def __init__(self, engine: MLXEngine):
+        self.engine = engine
+        self.name, self.vocab_size = engine.name, engine.vocab_size
+        self.context_length = engine.context_length
+        self.seq: list[int] = []
+        self.memo: dict[tuple[int, ...], np.ndarray] = {}
+
+    @property
+    def length(self):
+        return len(self.seq)
+
+    def reset(self):
+        self.seq = []
+
+    def trim(self, n):
+        self.seq = self.seq[: len(self.seq) - n]
+
+    def _row(self, prefix):
+        key = tuple(prefix)
+        if key not in self.memo:
+            self.engine.reset()
+            self.memo[key] = self.engine.feed(list(key), last_only=True)
+        return self.memo[key]
+
+    def feed(self, tokens, last_only=False):
+        rows = []
+        for t in tokens:
+            self.seq.append(t)
+            rows.append(self._row(self.seq))
+        return rows[-1] if last_only else np.stack(rows)
+
+
+def _joint_counts(verifier, draft, params, prompt, n, rule=None, k=3):
+    counts: Counter = Counter()
+    for s in range(n):
+        dec = SpeculativeDecoder(verifier, draft, params, seed=s, num_draft_tokens=k, rule=rule)
+        toks = [t for r in dec.run(prompt, 2) for t in r.tokens]
+        counts[tuple(toks)] += 1
+    return counts
+
+
+def _exact_joint(verifier, params, prompt):
+    p1 = probabilities(verifier._row(prompt), params)
+    return {
+        (a, b): p1[a] * probabilities(verifier._row([*prompt, a]), params)[b]
+        for a in range(len(p1))
+        if p1[a] > 0
+        for b in range(len(p1))
+    }
+
+
+def _chi2_pvalue(counts, expected, n):
+    """Pearson chi-square over cells with enough expected mass; rare cells pooled into one."""
+    obs, exp = [], []
+    rest_o = rest_e = 0.0
+    for cell, pr in expected.items():
+        if pr * n >= 5:
+            obs.append(counts.get(cell, 0))
+            exp.append(pr * n)
+        else:
+            rest_o += counts.get(cell, 0)
+            rest_e += pr * n
+    outside = n - sum(obs) - rest_o  # samples in cells of expected probability zero
+    if outside:
+        return 0.0
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    obs, exp = np.array(obs), np.array(exp)
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(chi2.sf(stat, len(obs) - 1))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sv")
+    v = tiny.write_model(
+        d / "v",
+        vocab_size=16,
+        hidden_size=32,
+        heads=2,
+        kv_heads=1,
+        intermediate=64,
+        layers=1,
+        scale=0.6,
+    )
+    dr = tiny.perturbed_copy(v, d / "d", noise=0.8)
+    from ondevice.models import load_model
+
+    ver = MemoEngine(MLXEngine(load_model(v).model))
+    dra = MemoEngine(MLXEngine(load_model(dr).model))
+    return ver, dra
+
+
+N_SAMPLES = 20_000
+PROMPT = [5, 6, 7]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "params", [SamplingParams(1.0), SamplingParams(1.0, top_p=0.9)], ids=["t1", "top_p"]
+)
+def test_speculative_sampling_matches_verifier_distribution(small_vocab_pair, params):
+    ver, dra = small_vocab_pair
+    counts = _joint_counts(ver, dra, params, PROMPT, N_SAMPLES)
+    expected = _exact_joint(ver, params, PROMPT)
+    assert _chi2_pvalue(counts, expected, N_SAMPLES) > 0.001
+
+
+@pytest.mark.slow
+def test_a_biased_rule_fails_the_distribution_test(small_vocab_pair):
+    ver, dra = small_vocab_pair
+    params = SamplingParams(1.0)
+
+    def accept_everything(drafts, q, p, rng):
+        return len(drafts), accept.sample(p[len(drafts)], rng)
+
+    counts = _joint_counts(ver, dra, params, PROMPT, N_SAMPLES, rule=accept_everything)
+    assert _chi2_pvalue(counts, _exact_joint(ver, params, PROMPT), N_SAMPLES) < 1e-6
