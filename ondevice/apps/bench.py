@@ -1,0 +1,166 @@
+"""`ondevice bench`: measure speculative decoding against plain decoding (and mlx-lm) on
+Spec-Bench-format prompts; write JSON and a PNG chart, print a table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark speculative decoding against plain decoding (and mlx-lm)",
+        description="Run every decoding method on Spec-Bench-format prompts, interleaved with "
+        "plain decoding, and report tokens/s, speedup, acceptance and memory per category.",
+    )
+    src = p.add_argument_group("models (default: the catalog's default pair)")
+    who = src.add_mutually_exclusive_group()
+    who.add_argument("--model", metavar="BUNDLE", help="a pair bundle (or any model with --draft)")
+    who.add_argument("--verifier", metavar="PATH_OR_ID", help="verifier model")
+    src.add_argument("--draft", metavar="PATH_OR_ID", help="draft model")
+    src.add_argument(
+        "--draft-backend", default="auto", choices=["auto", "coreml", "reference", "mlx"]
+    )
+    src.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    pr = p.add_argument_group("prompts")
+    pr.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help="Spec-Bench-format JSONL (question_id, category, turns); default: built-in set",
+    )
+    pr.add_argument(
+        "--turn", type=int, default=1, help="which turn of each entry to send (1-based)"
+    )
+    pr.add_argument(
+        "--per-category", type=int, metavar="N", help="first N prompts of each category"
+    )
+    pr.add_argument("--categories", type=_csv, metavar="A,B", help="only these categories")
+    g = p.add_argument_group("decoding")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--methods",
+        type=_csv,
+        default=["chain"],
+        metavar="M,...",
+        help="methods besides plain (always run): chain (default), tree, pld, ...",
+    )
+    g.add_argument("--num-draft-tokens", type=int, metavar="K", help="fixed K (default: adaptive)")
+    g.add_argument(
+        "--peers",
+        type=_csv,
+        default=[],
+        metavar="mlx-lm",
+        help="also run these implementations on the same weights (mlx-lm)",
+    )
+    g.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("ondevice-bench.json"), metavar="FILE.json")
+    out.add_argument("--plot", type=Path, metavar="FILE.png", help="default: --out with .png")
+    out.add_argument("--no-plot", action="store_true")
+    out.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    from ondevice.errors import OndeviceError
+
+    if args.max_tokens < 1:
+        raise OndeviceError(f"--max-tokens must be 1 or more, got {args.max_tokens}.")
+    if args.temp < 0:
+        raise OndeviceError(f"--temp must be >= 0, got {args.temp}.")
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
+        raise OndeviceError(f"--num-draft-tokens must be 1 or more, got {args.num_draft_tokens}.")
+    unknown = [x for x in args.peers if x != "mlx-lm"]
+    if unknown:
+        raise OndeviceError(f"unknown peer {unknown[0]!r}; the known peer is mlx-lm.")
+    for f in (args.out, args.plot):
+        if f is not None and f.parent.exists() and not f.parent.is_dir():
+            raise OndeviceError(f"{f}: {f.parent} is not a directory.")
+
+
+def _models(args: argparse.Namespace) -> tuple[str, str | None]:
+    if args.model or args.verifier:
+        return args.model or args.verifier, args.draft
+    from ondevice.models.catalog import load_catalog
+
+    pair = load_catalog().pair()
+    draft = args.draft or (str(pair.draft) if pair.draft.exists() else None)
+    return pair.verifier, draft
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    from ondevice.bench import BenchOptions, builtin_prompts_path, read_prompts, run_bench, select
+    from ondevice.bench.plot import plot
+    from ondevice.bench.report import write_json
+
+    # Read the prompts before loading models: a typo in the file should fail in a second.
+    prompts_file = Path(args.prompts) if args.prompts else builtin_prompts_path()
+    prompts, skipped = read_prompts(prompts_file, args.turn)
+    prompts = select(prompts, args.per_category, args.categories)
+    if skipped:
+        print(
+            f"note: {skipped} entries have fewer than {args.turn} turns; skipped.", file=sys.stderr
+        )
+
+    import ondevice
+
+    verifier, draft = _models(args)
+    gen = ondevice.load(verifier, draft, draft_backend=args.draft_backend, dtype=args.dtype)
+    options = BenchOptions(
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        seed=args.seed,
+        methods=tuple(args.methods),
+        num_draft_tokens=args.num_draft_tokens,
+        peers=tuple(dict.fromkeys(args.peers)),
+        warmup=not args.no_warmup,
+    )
+    settings = {
+        "prompts_file": str(prompts_file),
+        "turn": args.turn,
+        "per_category": args.per_category,
+        "categories": args.categories,
+        "verifier": str(verifier),
+        "draft": draft,
+        "draft_backend": args.draft_backend,
+        "argv": sys.argv,
+    }
+    results = run_bench(gen, prompts, options, settings, progress=not args.quiet)
+    write_json(args.out, results)
+    print(table(results))
+    written = [str(args.out)]
+    if not args.no_plot:
+        png = args.plot or args.out.with_suffix(".png")
+        plot(results, png)
+        written.append(str(png))
+    bad = results["mismatches"]
+    if bad:  # a correctness canary: greedy speculative output must equal plain decoding
+        print(
+            f"\nGREEDY MISMATCH: {len(bad)} outputs differ from their reference decoding "
+            "(see 'mismatches' in the JSON):",
+            file=sys.stderr,
+        )
+        for b in bad[:10]:
+            print(
+                f"  {b['method']} vs {b['reference']}: {b['category']}/{b['question_id']} "
+                f"from token {b['first_mismatch']}",
+                file=sys.stderr,
+            )
+    print(f"\nwrote {', '.join(written)}", file=sys.stderr)
+    # ondevice's own methods breaking the lossless contract fail the command; a peer's do not
+    return 1 if any(not b["method"].startswith("mlx-lm") for b in bad) else 0
+
+
+def table(results: dict) -> str:
+    from ondevice.bench.report import table as _table
+
+    return _table(results)

@@ -1,0 +1,142 @@
+"""`ondevice bench`: speed, acceptance and memory of every decoding method against plain decoding
+(and against peers such as mlx-lm) on Spec-Bench-format prompts, measured interleaved in one run.
+
+    results = run_bench(gen, prompts, BenchOptions(max_tokens=128, peers=("mlx-lm",)))
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ondevice.bench.prompts import BenchPrompt, builtin_prompts_path, read_prompts, select
+from ondevice.bench.report import aggregate, machine_info, mismatches, per_prompt_speedups, table
+from ondevice.bench.runner import Bench, BenchOptions, draft_mlx_model, param_bytes
+
+__all__ = [
+    "BenchOptions",
+    "BenchPrompt",
+    "builtin_prompts_path",
+    "read_prompts",
+    "run_bench",
+    "select",
+    "table",
+]
+
+
+def _model_info(gen: Any) -> dict[str, Any]:
+    v = {"name": gen.model_name, "param_bytes": param_bytes(gen.verifier.model)}
+    info: dict[str, Any] = {"verifier": v, "draft": None, "draft_to_verifier_memory": None}
+    draft = draft_mlx_model(gen)
+    if gen.draft is not None:
+        pair = getattr(gen, "_pair", None)
+        path = getattr(getattr(pair, "draft", None), "path", None)
+        d: dict[str, Any] = {"name": path.name if path else "draft", "backend": gen.draft_backend}
+        if draft is not None:
+            d["param_bytes"] = param_bytes(draft)
+            info["draft_to_verifier_memory"] = d["param_bytes"] / v["param_bytes"]
+        info["draft"] = d
+    return info
+
+
+def run_bench(
+    gen: Any,
+    prompts: Sequence[BenchPrompt],
+    options: BenchOptions,
+    settings: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Measure every run on every prompt and return the results document (JSON-ready)."""
+    from tqdm import tqdm
+
+    bench = Bench(gen, options)
+    encoded, skipped = [], []
+    for p in prompts:
+        ids = gen.encode_prompt(p.text)
+        # room for the answer: a prompt that does not fit would only measure the error path
+        if len(ids) + options.max_tokens >= gen.context_length:
+            skipped.append(
+                {
+                    "question_id": p.question_id,
+                    "category": p.category,
+                    "reason": f"{len(ids)} prompt tokens exceed the context",
+                }
+            )
+            continue
+        encoded.append((p, ids))
+    if not encoded:
+        from ondevice.errors import OndeviceError
+
+        raise OndeviceError("no prompt fits the model's context with --max-tokens; nothing to run.")
+    if options.warmup:
+        bench.warm_up(encoded[0][1])
+    records: list[dict] = []
+    t0 = time.perf_counter()
+    with tqdm(
+        total=len(encoded) * len(bench.runs),
+        desc="bench",
+        unit="run",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    ) as bar:
+        for p, ids in encoded:
+
+            def tick(method: str, p: BenchPrompt = p) -> None:
+                bar.set_postfix_str(f"{p.category}/{p.question_id} {method}", refresh=False)
+
+            recs = bench.run_prompt(p, ids, tick)
+            bar.update(len(recs))
+            records.extend(recs)
+    per_prompt_speedups(records)
+    results: dict[str, Any] = {
+        "ondevice_bench_format": 1,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_seconds": time.perf_counter() - t0,
+        "machine": machine_info(),
+        "models": _model_info(gen),
+        "settings": {
+            "max_tokens": options.max_tokens,
+            "temperature": options.temperature,
+            "seed": options.seed,
+            "methods": bench.runs,
+            "num_draft_tokens": options.num_draft_tokens,
+            "peers": list(options.peers),
+            "timing": "tokens_per_second = (tokens - 1) / (last token time - first token time); "
+            "speedup = that rate over plain decoding's on the same prompts, run interleaved",
+            **(settings or {}),
+        },
+        "prompts": {
+            "count": len(encoded),
+            "categories": sorted({p.category for p, _ in encoded}),
+            "skipped": skipped,
+        },
+        "aggregates": aggregate(records, bench.runs),
+        "records": records,
+    }
+    if bench.peer is not None:
+        results["settings"]["peer_weights"] = (
+            "ondevice's loaded weights, saved with save_model and loaded by mlx_lm.utils.load_model"
+        )
+    bad = mismatches(records)
+    results["mismatches"] = bad
+    results["greedy_outputs_match"] = None if options.temperature > 0 else not bad
+    _summary(results)
+    return results
+
+
+def _summary(results: dict[str, Any]) -> None:
+    agg = results["aggregates"]
+
+    def tps(m: str) -> float | None:
+        return agg.get(m, {}).get("all", {}).get("tokens_per_second")
+
+    s: dict[str, Any] = {m: agg[m]["all"].get("speedup") for m in agg if "all" in agg[m]}
+    summary: dict[str, Any] = {"speedup_over_plain": s}
+    if tps("chain") and tps("mlx-lm-spec"):
+        summary["chain_over_mlx_lm_spec"] = tps("chain") / tps("mlx-lm-spec")
+    if tps("mlx-lm-spec") and tps("mlx-lm"):
+        summary["mlx_lm_spec_over_mlx_lm_plain"] = tps("mlx-lm-spec") / tps("mlx-lm")
+    results["summary"] = summary

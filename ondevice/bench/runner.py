@@ -1,0 +1,236 @@
+"""Runs the benchmark: for each prompt, plain decoding, then every method, then every peer,
+back to back, so machine noise (other processes, thermal state) hits all of them alike.
+
+Every run is timed the same way from outside, whatever produced the tokens:
+`tokens_per_second` is the decode rate, (tokens - 1) / (time from the first token to the last),
+which leaves the prompt's prefill out; `e2e_tokens_per_second` includes it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ondevice.bench.peers import MlxLmPeer, Steps, mlx_lm_rounds
+from ondevice.bench.prompts import BenchPrompt
+from ondevice.errors import OndeviceError
+
+# Methods that need a draft model; the others (prompt lookup, lookahead) work without one.
+DRAFT_METHODS = ("chain", "tree", "cascade")
+WARMUP_TOKENS = 8
+
+
+@dataclass
+class BenchOptions:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    methods: tuple[str, ...] = ("chain",)  # besides "plain", which always runs first
+    num_draft_tokens: int | None = None  # None: the runtime chooses
+    peers: tuple[str, ...] = ()
+    warmup: bool = True
+
+
+def param_bytes(model: Any) -> int:
+    """Bytes held by a model's parameters (packed weights, scales and biases when quantized)."""
+    return int(sum(v.nbytes for _, v in tree_flatten(model.parameters())))
+
+
+def draft_mlx_model(gen: Any) -> Any | None:
+    """The draft's MLX model, whichever engine runs it (a Core ML draft keeps its MLX twin)."""
+    model = getattr(gen.draft, "model", None)
+    if model is None:
+        pair = getattr(gen, "_pair", None)
+        model = getattr(getattr(pair, "draft", None), "model", None)
+    return model
+
+
+def method_runs(gen: Any, options: BenchOptions) -> list[str]:
+    """The ondevice runs per prompt, in order: "plain" first, then the requested methods."""
+    runs = ["plain"] + [m for m in dict.fromkeys(options.methods) if m != "plain"]
+    if gen.draft is None:
+        needs = [m for m in runs if m in DRAFT_METHODS]
+        if needs:
+            raise OndeviceError(
+                f"method {needs[0]!r} needs a draft model: pass --draft D, or --model with a "
+                "pair bundle (which brings its own draft)."
+            )
+    others = [m for m in runs if m not in ("plain", "chain")]
+    if others and "method" not in inspect.signature(gen.stream).parameters:
+        raise OndeviceError(
+            f"method {others[0]!r} is not available in this ondevice build (its generate() has "
+            "no `method` parameter yet); run with --methods chain."
+        )
+    return runs
+
+
+class Bench:
+    """Holds the loaded pair (and peers) and measures one prompt at a time."""
+
+    def __init__(self, gen: Any, options: BenchOptions) -> None:
+        self.gen = gen
+        self.options = options
+        self.runs = method_runs(gen, options)
+        self.eos = frozenset(gen.tokenizer.eos_token_ids)
+        self.peer: MlxLmPeer | None = None
+        for peer in options.peers:
+            if peer != "mlx-lm":
+                raise OndeviceError(f"unknown peer {peer!r}; the known peer is mlx-lm.")
+            self.peer = MlxLmPeer(gen.verifier.model, draft_mlx_model(gen))
+            self.runs += self.peer.methods
+
+    # -- one run ------------------------------------------------------------------------------
+
+    def _ondevice_steps(self, method: str, ids: list[int], max_tokens: int, out: dict) -> Steps:
+        o = self.options
+        kwargs: dict[str, Any] = dict(
+            max_tokens=max_tokens, temperature=o.temperature, seed=o.seed, chat_template=False
+        )
+        if method == "plain":
+            kwargs["speculative"] = False
+        else:
+            kwargs["num_draft_tokens"] = o.num_draft_tokens
+            if method != "chain":
+                kwargs["method"] = method
+        for chunk in self.gen.stream(ids, **kwargs):
+            if chunk.stats is not None:
+                out.update(chunk.stats)
+                out["finish_reason"] = chunk.finish_reason
+            if chunk.tokens:
+                yield list(chunk.tokens), [chunk.from_draft] * len(chunk.tokens)
+
+    def _peer_steps(self, method: str, ids: list[int], max_tokens: int, k: int, out: dict) -> Steps:
+        assert self.peer is not None
+        detok = self.gen.tokenizer.detokenizer()  # the same text work ondevice's stream does
+        n = 0
+        for toks, flags in self.peer.steps(
+            method, ids, max_tokens, self.eos, self.options.temperature, self.options.seed, k
+        ):
+            detok.add(toks)
+            n += len(toks)
+            yield toks, flags
+        detok.flush()
+        out["finish_reason"] = "length" if n >= max_tokens else "stop"
+
+    def run_one(self, method: str, ids: list[int], max_tokens: int, k: int = 3) -> dict[str, Any]:
+        """Generate once with `method` and return its measurements."""
+        stats: dict[str, Any] = {}
+        if method.startswith("mlx-lm"):
+            steps = self._peer_steps(method, ids, max_tokens, k, stats)
+        else:
+            steps = self._ondevice_steps(method, ids, max_tokens, stats)
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        tokens, flags, t_first, t0 = _consume(steps)
+        t_end = time.perf_counter()
+        peak = int(mx.get_peak_memory())
+        n = len(tokens)
+        decode_s = t_end - t_first if t_first is not None else 0.0
+        rec: dict[str, Any] = {
+            "method": method,
+            "prompt_tokens": len(ids),
+            "generation_tokens": n,
+            "tokens": tokens,
+            "ttft_s": (t_first - t0) if t_first is not None else None,
+            "total_s": t_end - t0,
+            "tokens_per_second": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+            "e2e_tokens_per_second": n / (t_end - t0) if n else None,
+            "finish_reason": stats.get("finish_reason"),
+            "text": self.gen.tokenizer.decode(tokens),
+            "peak_memory_bytes": peak,
+            "working_memory_bytes": max(0, peak - base),
+        }
+        if method.startswith("mlx-lm"):
+            accepted = sum(flags)
+            rounds, drafted = (
+                mlx_lm_rounds(flags, max_tokens, k) if method == "mlx-lm-spec" else (n, 0)
+            )
+            rec.update(
+                rounds=rounds,
+                drafted=drafted,
+                accepted=accepted,
+                num_draft_tokens=k if method == "mlx-lm-spec" else None,
+                time_draft_s=None,
+                time_verify_s=None,
+            )
+        else:
+            rec.update(
+                rounds=stats.get("rounds", 0),
+                drafted=stats.get("drafted", 0),
+                accepted=stats.get("accepted", 0),
+                num_draft_tokens=self.options.num_draft_tokens if method != "plain" else None,
+                time_draft_s=stats.get("time_draft_s"),
+                time_verify_s=stats.get("time_verify_s"),
+                draft_backend=stats.get("draft_backend"),
+            )
+        d, a, r = rec["drafted"], rec["accepted"], rec["rounds"]
+        rec["acceptance_rate"] = a / d if d else None
+        rec["mean_accepted_length"] = (a + r) / r if d and r else None
+        return rec
+
+    # -- one prompt: every run, interleaved ---------------------------------------------------
+
+    def warm_up(self, ids: list[int]) -> None:
+        """One short generation per run kind, so first-call costs (allocation, graph building,
+        lazy loading) are not charged to the first measured prompt."""
+        for method in self.runs:
+            self.run_one(method, ids, WARMUP_TOKENS, self.options.num_draft_tokens or 3)
+
+    def run_prompt(
+        self, prompt: BenchPrompt, ids: list[int], tick: Callable[[str], None]
+    ) -> list[dict]:
+        records: list[dict] = []
+        by_method: dict[str, dict] = {}
+        for method in self.runs:
+            tick(method)
+            k = self.options.num_draft_tokens or _mean_k(by_method.get("chain"))
+            rec = self.run_one(method, ids, self.options.max_tokens, k)
+            rec = {"question_id": prompt.question_id, "category": prompt.category, **rec}
+            by_method[method] = rec
+            records.append(rec)
+        _check_against_plain(records, by_method, self.options.temperature)
+        return records
+
+
+def _consume(steps: Iterable[tuple[list[int], list[bool]]]):
+    tokens: list[int] = []
+    flags: list[bool] = []
+    t0 = time.perf_counter()
+    t_first = None
+    for toks, fl in steps:
+        if toks and t_first is None:
+            t_first = time.perf_counter()
+        tokens.extend(toks)
+        flags.extend(fl)
+    return tokens, flags, t_first, t0
+
+
+def _mean_k(chain: dict | None) -> int:
+    """K for a peer that needs a fixed draft length: ondevice's mean drafted per round on the
+    same prompt (its own choice), rounded; 3 when there is nothing to go by."""
+    if chain and chain.get("rounds") and chain.get("drafted"):
+        return max(1, round(chain["drafted"] / chain["rounds"]))
+    return 3
+
+
+def _check_against_plain(records: Sequence[dict], by_method: dict[str, dict], temp: float) -> None:
+    """Greedy outputs must be identical: every ondevice method to ondevice's plain decoding,
+    mlx-lm's speculative to mlx-lm's plain, and mlx-lm's plain to ondevice's (same weights)."""
+    for rec in records:
+        m = rec["method"]
+        ref = {"plain": None, "mlx-lm-spec": "mlx-lm"}.get(m, "plain")
+        if ref is None or temp > 0 or ref not in by_method:
+            rec["reference"], rec["matches_reference"], rec["first_mismatch"] = None, None, None
+            continue
+        a, b = rec["tokens"], by_method[ref]["tokens"]
+        same = a == b
+        first = None
+        if not same:
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        rec["reference"], rec["matches_reference"], rec["first_mismatch"] = ref, same, first
