@@ -1,0 +1,336 @@
+"""`ondevice-convert`: turn a verifier and a draft into a pair bundle, or check a bundle.
+
+    ondevice-convert --verifier V --draft D -o OUT [options]
+    ondevice-convert --check OUT
+
+Conversion order matters for the user's time and disk: the destination is checked before any
+model is loaded, the pair's tokenizers before anything is written, and everything is written into
+a staging directory that only becomes OUT when complete (see `ondevice.convert.bundle`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ondevice.errors import OndeviceError
+
+COMPRESSIONS = ("none", "palettize4", "palettize6", "int8")
+KV_MODES = ("state", "io")
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ondevice-convert",
+        description=(
+            "Convert a verifier and a draft model into a pair bundle (MLX verifier + Core ML "
+            "draft), or check an existing bundle with --check."
+        ),
+    )
+    p.add_argument("--verifier", metavar="V", help="verifier: model folder, .gguf file or hub id")
+    p.add_argument("--draft", metavar="D", help="draft: model folder, .gguf file or hub id")
+    p.add_argument("-o", "--output", metavar="OUT", help="bundle directory to create")
+    p.add_argument(
+        "--context", type=int, default=1024, help="draft context length in tokens (default 1024)"
+    )
+    p.add_argument(
+        "--draft-chunk",
+        type=int,
+        default=16,
+        help="tokens per call of the draft's chunk function (prefill/catch-up; default 16)",
+    )
+    p.add_argument(
+        "--draft-compress",
+        choices=COMPRESSIONS,
+        default="none",
+        help="Core ML weight compression of the draft (default none: float16)",
+    )
+    p.add_argument(
+        "--draft-kv",
+        choices=KV_MODES,
+        default="state",
+        help="KV cache as Core ML state (default) or as model inputs/outputs (io)",
+    )
+    p.add_argument(
+        "--verifier-quantize",
+        choices=("none", "4", "8"),
+        default="none",
+        help="quantize the verifier's MLX weights to 4 or 8 bits (default none)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="float type of the MLX weights (default: as stored in the checkpoint)",
+    )
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--check",
+        metavar="BUNDLE",
+        help="verify a bundle's checksums, list the draft's ops and Neural Engine findings",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.check is not None:
+        if args.verifier or args.draft or args.output:
+            parser.error("--check takes only a bundle; do not combine it with a conversion")
+    else:
+        missing = [
+            f
+            for f, v in (
+                ("--verifier", args.verifier),
+                ("--draft", args.draft),
+                ("-o/--output", args.output),
+            )
+            if not v
+        ]
+        if missing:
+            parser.error(f"missing {', '.join(missing)} (or use --check BUNDLE)")
+    try:
+        with _sigterm_as_interrupt():
+            if args.check is not None:
+                from ondevice.convert.check import run_check
+
+                return run_check(Path(args.check))
+            return convert(args)
+    except OndeviceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted; nothing was written.", file=sys.stderr)
+        return 130
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Treat SIGTERM like Ctrl-C, so the staging directory is cleaned up either way."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+class Phases:
+    """One line per phase on stderr, with its duration: the user sees where time goes."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.n = 0
+        self.start = time.perf_counter()
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, title: str) -> Iterator[None]:
+        self.n += 1
+        print(f"[{self.n}/{self.total}] {title} ...", file=sys.stderr, flush=True)
+        t = time.perf_counter()
+        yield
+        dt = time.perf_counter() - t
+        self.times[title] = dt
+        print(f"      done in {dt:.1f} s", file=sys.stderr, flush=True)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    """Option ranges the Core ML converter accepts, checked before any model is loaded."""
+    from ondevice.errors import BundleError
+
+    if not 2 <= args.draft_chunk <= 512:
+        raise BundleError(f"--draft-chunk {args.draft_chunk}: use 2..512 tokens (16 is typical).")
+    if not args.draft_chunk <= args.context <= 32768:
+        raise BundleError(
+            f"--context {args.context}: use {args.draft_chunk}..32768 tokens "
+            "(at least --draft-chunk)."
+        )
+
+
+def _check_pair(verifier: Any, draft: Any, context: int) -> None:
+    """Tokenizers, vocabularies and context: everything that makes a pair unusable."""
+    from ondevice.convert import coreml
+    from ondevice.errors import ModelFormatError
+    from ondevice.models.tokenizer import check_pair
+
+    check_pair(verifier.tokenizer, draft.tokenizer, draft_vocab=draft.config.vocab_size)
+    # The converter's own architecture check, run now rather than after the verifier is written.
+    coreml._check_config(draft.config)
+    for role, m in (("draft", draft), ("verifier", verifier)):
+        if context > m.config.max_position_embeddings:
+            raise ModelFormatError(
+                f"--context {context} exceeds the {role}'s max_position_embeddings "
+                f"({m.config.max_position_embeddings}, {m.path}); pass a smaller --context."
+            )
+
+
+def draft_numpy_weights(model: Any) -> dict[str, Any]:
+    """Float32 numpy weights with Hugging Face names; quantized layers (GGUF) are expanded."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from ondevice.models.gguf import dequantize_all
+
+    params = dict(tree_flatten(model.parameters()))
+    quant = {
+        p: {"group_size": m.group_size, "bits": m.bits}
+        for p, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
+    return dequantize_all(params, quant or None)
+
+
+def _save_mlx(loaded: Any, path: Path) -> None:
+    """MLX weights plus tokenizer files: a folder both ondevice and `mlx_lm.load` read."""
+    from ondevice.models.weights import save_model
+
+    # config.json's eos_token_id is where loaders look for stop tokens; make it list every id the
+    # tokenizer treats as end of sequence (GGUF files keep end-of-turn separately).
+    loaded.model.config.eos_token_id = sorted(
+        set(loaded.model.config.eos_token_id) | set(loaded.tokenizer.eos_token_ids)
+    )
+    save_model(loaded.model, path)
+    loaded.tokenizer.save(path)
+
+
+def _describe(loaded: Any, source: str) -> dict[str, Any]:
+    from ondevice.models.weights import quantization_config
+
+    return {
+        "source": source,
+        "config": loaded.model.config.to_hf_dict(),
+        "quantization": quantization_config(loaded.model),
+    }
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _convert_progress() -> Callable[..., None]:
+    """A progress callback for the Core ML converter: prints whatever step it reports."""
+
+    def report(*args: Any, **kwargs: Any) -> None:
+        text = " ".join(str(a) for a in args)
+        if kwargs:
+            text += " " + " ".join(f"{k}={v}" for k, v in kwargs.items())
+        if text.strip():
+            print(f"      {text.strip()}", file=sys.stderr, flush=True)
+
+    return report
+
+
+def convert(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ondevice.convert import coreml
+    from ondevice.convert.bundle import (
+        check_destination,
+        file_entries,
+        staging_dir,
+        total_size,
+        write_manifest,
+    )
+    from ondevice.models import load_model
+
+    out = Path(args.output).expanduser().absolute()
+    check_destination(out, args.force)  # before minutes of loading
+    _validate(args)
+    quantize = None if args.verifier_quantize == "none" else int(args.verifier_quantize)
+
+    phases = Phases(total=8)
+    with phases(f"loading verifier {args.verifier}"):
+        verifier = load_model(args.verifier, dtype=args.dtype, quantize=quantize)
+    with phases(f"loading draft {args.draft}"):
+        draft = load_model(args.draft, dtype=args.dtype)
+    with phases("checking the pair (tokenizers, vocabulary, context)"):
+        _check_pair(verifier, draft, args.context)
+
+    with staging_dir(out, force=args.force) as tmp:
+        with phases("writing verifier (MLX)"):
+            _save_mlx(verifier, tmp / "verifier")
+        with phases("writing draft (MLX)"):
+            _save_mlx(draft, tmp / "draft" / "mlx")
+        with phases(
+            f"converting draft to Core ML (context {args.context}, chunk {args.draft_chunk}, "
+            f"compress {args.draft_compress}, kv {args.draft_kv})"
+        ):
+            weights = draft_numpy_weights(draft.model)
+            description = coreml.convert_draft(
+                draft.model.config,
+                weights,
+                tmp / "draft" / "draft.mlpackage",
+                context=args.context,
+                chunk=args.draft_chunk,
+                compress=args.draft_compress,
+                kv=args.draft_kv,
+                progress=_convert_progress(),
+            )
+            del weights
+        with phases("writing tokenizer"):
+            verifier.tokenizer.save(tmp / "tokenizer")
+        with phases("computing checksums"):
+            with tqdm(
+                total=total_size(tmp), unit="B", unit_scale=True, leave=False, file=sys.stderr
+            ) as bar:
+                files = file_entries(tmp, progress=bar.update)
+            write_manifest(
+                tmp,
+                {
+                    "context_length": args.context,
+                    "tokenizer": {
+                        "path": "tokenizer",
+                        "fingerprint": verifier.tokenizer.fingerprint(),
+                        "vocab_size": verifier.tokenizer.vocab_size,
+                        "eos_token_ids": sorted(verifier.tokenizer.eos_token_ids),
+                    },
+                    "verifier": {"path": "verifier", **_describe(verifier, str(args.verifier))},
+                    "draft": {
+                        "mlx": "draft/mlx",
+                        "mlpackage": "draft/draft.mlpackage",
+                        **_describe(draft, str(args.draft)),
+                        "functions": description.get("functions"),
+                        "coreml": description,
+                    },
+                    "options": {
+                        "context": args.context,
+                        "draft_chunk": args.draft_chunk,
+                        "draft_compress": args.draft_compress,
+                        "draft_kv": args.draft_kv,
+                        "verifier_quantize": args.verifier_quantize,
+                        "dtype": args.dtype,
+                    },
+                    "files": files,
+                },
+            )
+        sizes = {
+            "verifier": total_size(tmp / "verifier"),
+            "draft.mlpackage": total_size(tmp / "draft" / "draft.mlpackage"),
+            "draft/mlx": total_size(tmp / "draft" / "mlx"),
+            "tokenizer": total_size(tmp / "tokenizer"),
+        }
+        total = total_size(tmp)
+    elapsed = time.perf_counter() - phases.start
+    parts = ", ".join(f"{k} {_mb(v)}" for k, v in sizes.items())
+    print(f"wrote {out} ({_mb(total)}: {parts}) in {elapsed:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
