@@ -187,6 +187,7 @@ def test_persistence_round_trip(models, tmp_path):
 
     again = ChatController(history_path=path)
     assert again.messages == ctrl.messages and again.system_prompt == "you are a test"
+    assert again.saved_model == "first"  # the menu bar reloads it at start
     assert again.error is None
     # A system prompt given explicitly wins over the saved one.
     assert ChatController(history_path=path, system_prompt="new").system_prompt == "new"

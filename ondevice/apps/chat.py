@@ -102,6 +102,7 @@ class ChatController:
         self.messages: list[dict[str, str]] = []
         self.system_prompt = system_prompt or ""
         self.model_name: str | None = None
+        self.saved_model: str | None = None  # the model named in the saved history
         self.answer = ""  # text of the answer streaming now, or of the last one
         self.last_stats: dict[str, Any] | None = None
         self.error: str | None = None  # the last error, for a UI to show; cleared on success
@@ -332,7 +333,7 @@ class ChatController:
             return True
         data = {
             "version": HISTORY_VERSION,
-            "model": self.model_name,
+            "model": self.model_name or self.saved_model,
             "system_prompt": self.system_prompt,
             "messages": self.messages,
         }
@@ -373,6 +374,8 @@ class ChatController:
             self._fail(f"the chat history {path} could not be read ({e}); moved it to {backup}.")
             return
         self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if isinstance(data.get("model"), str):
+            self.saved_model = data["model"]
         if not keep_system and isinstance(data.get("system_prompt"), str):
             self.system_prompt = data["system_prompt"]
 
