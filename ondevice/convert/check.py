@@ -1,0 +1,127 @@
+"""`ondevice-convert --check BUNDLE`: is the bundle intact, and does its draft suit the ANE?
+
+Checks, in order: the manifest (format version), every file's size and sha256, the draft's ops per
+function, the Neural Engine lint findings and, on macOS, where Core ML plans to run each op.
+Every problem is printed (not just the first); the exit code is 1 if any is an error.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from ondevice.errors import OndeviceError
+from ondevice.models.bundle import MANIFEST, open_bundle, read_manifest, verify_files
+
+
+def _print(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _ops_summary(ops: Any) -> str:
+    """`ops` as `name xN` pairs, whatever collection the lint module hands back."""
+    if isinstance(ops, dict):
+        counts = Counter({str(k): int(v) for k, v in ops.items()})
+    else:
+        counts = Counter(str(o) for o in ops)
+    return ", ".join(f"{op} x{n}" if n > 1 else op for op, n in sorted(counts.items()))
+
+
+def _check_files(root: Path, manifest: dict[str, Any]) -> int:
+    problems = verify_files(root, manifest)
+    listed = set(manifest["files"])
+    extra = sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and p.relative_to(root).as_posix() not in listed | {MANIFEST}
+    )
+    n = len(manifest["files"])
+    if problems:
+        _print(f"files: {len(problems)} of {n} damaged")
+        for p in problems:
+            _print(f"  ERROR {p}")
+    else:
+        _print(f"files: all {n} match their sha256 and size")
+    for rel in extra:
+        _print(f"  warning {rel}: not listed in the manifest (ignored)")
+    return len(problems)
+
+
+def _check_draft(mlpackage: Path) -> int:
+    """Ops, lint findings and (macOS) the compute plan of the Core ML draft; returns errors."""
+    from ondevice.convert import lint
+
+    errors = 0
+    try:
+        ops = lint.list_ops(mlpackage)
+    except Exception as e:  # a damaged package fails inside coremltools in many ways
+        _print(f"  ERROR cannot read {mlpackage.name}: {type(e).__name__}: {e}")
+        return 1
+    if isinstance(ops, dict):
+        for fn, fn_ops in ops.items():
+            _print(f"  function {fn}: {_ops_summary(fn_ops)}")
+    else:
+        _print(f"  ops: {_ops_summary(ops)}")
+
+    try:
+        findings = lint.check_mlpackage(mlpackage)
+    except Exception as e:
+        _print(f"  ERROR lint failed on {mlpackage.name}: {type(e).__name__}: {e}")
+        return 1
+    if not findings:
+        _print("  Neural Engine lint: no findings")
+    for f in findings:
+        severity = str(getattr(f, "severity", "error")).lower()
+        errors += severity == "error"
+        where = " ".join(filter(None, (getattr(f, "function", None), getattr(f, "op", None))))
+        where = f" [{where}]" if where else ""
+        _print(f"  {severity.upper()}{where} {getattr(f, 'message', f)}")
+
+    plan_fn = getattr(lint, "compute_plan", None)
+    if sys.platform == "darwin" and plan_fn is not None:
+        try:
+            plan = plan_fn(mlpackage)
+        except Exception as e:
+            _print(f"  warning: no compute plan ({type(e).__name__}: {e})")
+        else:
+            _print("  compute plan (MLComputePlan):")
+            for line in _plan_lines(plan):
+                _print(f"    {line}")
+    elif sys.platform == "darwin":
+        _print("  compute plan: not available in this build")
+    else:
+        _print("  compute plan: needs macOS (MLComputePlan); skipped")
+    return errors
+
+
+def _plan_lines(plan: Any) -> list[str]:
+    if isinstance(plan, str):
+        return plan.splitlines()
+    if isinstance(plan, dict):
+        return [f"{k}: {v}" for k, v in plan.items()]
+    return [str(p) for p in plan]
+
+
+def run_check(path: Path) -> int:
+    """Print a report on the bundle at `path`; 0 if it is intact and lint finds no errors."""
+    root = Path(path).expanduser().resolve()
+    manifest = read_manifest(root)  # raises BundleError: not a bundle, bad JSON, unknown version
+    _print(
+        f"bundle {root}: format {manifest['format_version']}, "
+        f"{manifest.get('created_by', 'unknown converter')}, context {manifest['context_length']}"
+    )
+    errors = _check_files(root, manifest)
+    try:
+        bundle = open_bundle(root)
+    except OndeviceError as e:
+        _print(f"  ERROR {e}")
+        return 1
+    if bundle.mlpackage is None:
+        _print("draft: no Core ML package in this bundle")
+    else:
+        _print(f"draft: {bundle.mlpackage.relative_to(root)}")
+        errors += _check_draft(bundle.mlpackage)
+    _print("OK" if not errors else f"FAILED: {errors} error(s)")
+    return 1 if errors else 0
