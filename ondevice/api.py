@@ -300,13 +300,13 @@ def load(
 
     path = resolve(verifier)
     pair: _Pair
-    if path.is_dir() and (path / "manifest.json").exists():
-        from ondevice.models.bundle import open_bundle
+    from ondevice.models.bundle import is_bundle, open_bundle
 
+    if is_bundle(path):
         b = open_bundle(path)
         v = load_model(b.verifier_dir, dtype=dtype, quantize=quantize)
         d = load_model(b.draft_mlx_dir, dtype=dtype) if b.draft_mlx_dir else None
-        pair = _Pair(v, d, b.mlpackage, b.manifest.get("context"), {"name": path.name})
+        pair = _Pair(v, d, b.mlpackage, b.context_length, {"name": path.name})
     else:
         v = load_model(path, dtype=dtype, quantize=quantize)
         pair = _Pair(v)
