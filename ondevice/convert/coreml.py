@@ -1,0 +1,645 @@
+"""The draft model as a Core ML ML Program, built with coremltools' MIL builder from numpy weights.
+
+No torch and no tracing: every op is written here with `coremltools.converters.mil.Builder`, so
+the graph is exactly the one described below, and conversion runs on Linux (only prediction
+needs macOS). The package holds two functions over the same weights and the same KV cache:
+
+* `decode`: one token (the drafting loop), and
+* `chunk`: `chunk` tokens at once (prefill, and catching up after the verifier accepted several
+  tokens). A partly filled last chunk is padded; padding only writes cache slots beyond the last
+  real token, which later calls overwrite before any query can see them.
+
+Both take `input_ids` (int32, shape (1, L)) and `position` (int32, shape (1,): the position of
+the first token) and return float16 logits for every input position, split into pieces
+`logits_0 ... logits_{n-1}` of shape (1, L, V_i) that concatenate along the last axis.
+
+Neural Engine rules followed, and where they come from:
+
+* Fixed shapes everywhere (ANE compiles static shapes only; both ml-ane-transformers and ANEMLL
+  export one fixed-shape model per sequence length). Prefill and decode are two functions of one
+  multifunction package (`coremltools.utils.save_multifunction`), so weights are stored once.
+* Hidden states in the (batch, channels, 1, sequence) "BC1S" layout and every projection a 1x1
+  `conv` (ml-ane-transformers, principle 1 "picking the right data format"; ANEMLL uses Conv2d
+  for q/k/v/MLP and the LM head).
+* No dimension above 16384: the LM head is split along the vocabulary into equal 1x1 convs of at
+  most 16384 outputs, each returned as its own output, as ANEMLL's `lm_head8_*` / `lm_head16_*`
+  do (concatenating them in the model would recreate the oversized tensor). The embedding table
+  is larger than that too; its `gather` runs on the CPU, as the ml-ane-transformers README notes
+  for embedding lookups.
+* RMSNorm without `pow`: ANEMLL's trick of normalising `concat([x, -x])` with `layer_norm` (the
+  mean of that is exactly 0, so layer norm divides by the root mean square) and keeping the first
+  half. `layer_norm` is a native ANE op and avoids squaring fp16 activations ourselves.
+* RoPE from precomputed cos/sin tables (ANEMLL's `cos_cached` / `sin_cached`), sliced at the
+  position with `slice_by_size`; the causal mask is also a slice of a precomputed table, so no
+  comparison or `range` ops run per call. GGUF weights laid out for interleaved ("traditional")
+  RoPE are permuted here to the half-split layout, which leaves q.k products unchanged.
+* KV cache as two Core ML states, `key_cache` and `value_cache`, each (layers, kv_heads, S, d),
+  S the context rounded up to a multiple of 32 and d the head dimension rounded up to a multiple
+  of 32 (zero padded), following the stateful KV-cache pattern of Apple's "On Device Llama 3.1
+  with Core ML" article and ANEMLL's unified cache. Each layer writes its new rows with
+  `slice_update` + `coreml_update_state` and reads its slice back from that update's output,
+  exactly the chain coremltools' torch frontend emits for in-place cache writes. (A second
+  `read_state` of the same state is merged with the first by the default passes, so the graph
+  never reads a state twice.) With kv="io" the caches are plain inputs instead and the function
+  returns the new rows (`new_keys`, `new_values`, (layers, kv_heads, L, d)) for the caller to
+  store: the fallback for systems where stateful models do not compile for the Neural Engine.
+* The attention scale is folded into the query projection (or the qwen3 query norm), saving a
+  multiply per layer; grouped-query attention is a reshape of the queries, not a repeat of K/V.
+
+Weight compression uses `coremltools.optimize.coreml` on each function before merging:
+palettize4/palettize6 (k-means lookup tables per group of output channels, the granularity
+Apple recommends for LLM weights since iOS 18) and int8 (per-channel symmetric linear
+quantization). Only the projection, LM-head and embedding matrices are compressed; RoPE and mask
+tables and norm weights stay float16. Groups are sized so each k-means problem has at least
+10,000 weights: coremltools then uses the exact, deterministic 1-D k-means of `kmeans1d`, so
+both functions get identical tables and `save_multifunction` stores them once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ondevice.convert.executor import FORMAT_VERSION, METADATA_KEY
+from ondevice.errors import ModelFormatError, OndeviceError
+from ondevice.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+MAX_DIM = 16384  # the Neural Engine's largest tensor dimension
+STATE_ALIGN = 32  # state dimensions are padded to multiples of this
+MASK_VALUE = -1e4  # additive mask; as in ml-ane-transformers, finite so fp16 never sees inf - inf
+COMPRESSIONS = ("none", "palettize4", "palettize6", "int8")
+KV_MODES = ("state", "io")
+KMEANS1D_MIN_WEIGHTS = 10_000  # coremltools uses kmeans1d (exact, fast) from this size on
+MIN_DEPLOYMENT = "macOS15"  # states and multifunction packages need macOS 15 / iOS 18
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass
+class _Dims:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    state_head_dim: int  # head_dim rounded up to STATE_ALIGN
+    state_len: int  # context rounded up to STATE_ALIGN
+    vocab: int
+    vocab_splits: list[int]
+    eps: float
+
+
+# -- weights -------------------------------------------------------------------------------------
+
+
+def _vocab_splits(vocab: int) -> list[int]:
+    """Near-equal pieces of at most MAX_DIM rows (ANEMLL splits its LM head the same way)."""
+    n = math.ceil(vocab / MAX_DIM)
+    base, extra = divmod(vocab, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+def _check_config(config: ModelConfig) -> None:
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelFormatError(
+            f"cannot convert model_type {config.model_type!r} to Core ML; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+    if config.head_dim % 2:
+        raise ModelFormatError(f"head_dim {config.head_dim} is odd; RoPE needs an even head_dim.")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ModelFormatError(
+            f"num_attention_heads ({config.num_attention_heads}) is not a multiple of "
+            f"num_key_value_heads ({config.num_key_value_heads})."
+        )
+    if config.hidden_size > MAX_DIM or config.intermediate_size > MAX_DIM:
+        raise ModelFormatError(
+            f"hidden_size {config.hidden_size} / intermediate_size {config.intermediate_size} "
+            f"exceed the Neural Engine's {MAX_DIM} limit; this model is too large for a draft."
+        )
+
+
+def _get(weights: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name not in weights:
+        raise ModelFormatError(f"draft weights lack {name!r}; the checkpoint is incomplete.")
+    w = np.asarray(weights[name])
+    if w.shape != shape:
+        raise ModelFormatError(
+            f"draft weight {name!r} has shape {tuple(w.shape)}, expected {shape} from the config."
+        )
+    if not np.isfinite(w).all():
+        raise ModelFormatError(f"draft weight {name!r} contains NaN or infinite values.")
+    return w.astype(np.float32)
+
+
+def _half_split_order(head_dim: int) -> np.ndarray:
+    """Row order turning interleaved RoPE pairs (2i, 2i+1) into half-split pairs (i, i + d/2)."""
+    return np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+
+
+def _prepare_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """fp16 weights in the layout the graph uses (conv kernels, permuted and pre-scaled rows)."""
+    d, hd = config.hidden_size, config.head_dim
+    nh, nkv, inter = (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.intermediate_size,
+    )
+    scale = hd**-0.5
+    order = _half_split_order(hd) if config.rope_traditional else None
+
+    def heads_rows(w: np.ndarray, n: int) -> np.ndarray:
+        if order is None:
+            return w
+        return w.reshape(n, hd, *w.shape[1:])[:, order].reshape(w.shape)
+
+    def conv(w: np.ndarray) -> np.ndarray:
+        return w.reshape(*w.shape, 1, 1).astype(np.float16)
+
+    out: dict[str, np.ndarray] = {}
+    out["embed"] = _get(weights, "model.embed_tokens.weight", (config.vocab_size, d)).astype(
+        np.float16
+    )
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        q = heads_rows(_get(weights, p + "self_attn.q_proj.weight", (nh * hd, d)), nh)
+        k = heads_rows(_get(weights, p + "self_attn.k_proj.weight", (nkv * hd, d)), nkv)
+        v = _get(weights, p + "self_attn.v_proj.weight", (nkv * hd, d))
+        if config.attention_bias:
+            bq = heads_rows(_get(weights, p + "self_attn.q_proj.bias", (nh * hd,)), nh)
+            bk = heads_rows(_get(weights, p + "self_attn.k_proj.bias", (nkv * hd,)), nkv)
+            bv = _get(weights, p + "self_attn.v_proj.bias", (nkv * hd,))
+        if config.qk_norm:
+            qn = _get(weights, p + "self_attn.q_norm.weight", (hd,))
+            kn = _get(weights, p + "self_attn.k_norm.weight", (hd,))
+            if order is not None:
+                qn, kn = qn[order], kn[order]
+            out[f"l{i}.q_norm"] = (qn * scale).astype(np.float16)  # scale after the norm
+            out[f"l{i}.k_norm"] = kn.astype(np.float16)
+        else:
+            q = q * scale
+            if config.attention_bias:
+                bq = bq * scale
+        out[f"l{i}.q"], out[f"l{i}.k"], out[f"l{i}.v"] = conv(q), conv(k), conv(v)
+        if config.attention_bias:
+            out[f"l{i}.bq"] = bq.astype(np.float16)
+            out[f"l{i}.bk"] = bk.astype(np.float16)
+            out[f"l{i}.bv"] = bv.astype(np.float16)
+        out[f"l{i}.o"] = conv(_get(weights, p + "self_attn.o_proj.weight", (d, nh * hd)))
+        out[f"l{i}.gate"] = conv(_get(weights, p + "mlp.gate_proj.weight", (inter, d)))
+        out[f"l{i}.up"] = conv(_get(weights, p + "mlp.up_proj.weight", (inter, d)))
+        out[f"l{i}.down"] = conv(_get(weights, p + "mlp.down_proj.weight", (d, inter)))
+        out[f"l{i}.in_norm"] = _get(weights, p + "input_layernorm.weight", (d,)).astype(np.float16)
+        out[f"l{i}.post_norm"] = _get(weights, p + "post_attention_layernorm.weight", (d,)).astype(
+            np.float16
+        )
+    out["norm"] = _get(weights, "model.norm.weight", (d,)).astype(np.float16)
+    if config.tie_word_embeddings:
+        head = out["embed"]
+    else:
+        head = _get(weights, "lm_head.weight", (config.vocab_size, d)).astype(np.float16)
+    start = 0
+    for j, n in enumerate(_vocab_splits(config.vocab_size)):
+        out[f"lm_head_{j}"] = head[start : start + n].reshape(n, d, 1, 1)
+        start += n
+    return out
+
+
+def _rope_tables(config: ModelConfig, state_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin of shape (state_len, head_dim) for half-split RoPE, from the MLX model's freqs."""
+    from ondevice.models.transformer import rope_wavelengths
+
+    freqs, scale = rope_wavelengths(config)
+    freqs = np.array(freqs, dtype=np.float64)
+    theta = np.arange(state_len, dtype=np.float64)[:, None] * scale / freqs[None]
+    theta = np.concatenate([theta, theta], axis=1)
+    return np.cos(theta).astype(np.float16), np.sin(theta).astype(np.float16)
+
+
+def _mask_table(rows: int, groups: int, state_len: int) -> np.ndarray:
+    """Causal-mask table: slicing columns [S-1-p, 2S-1-p) gives the mask for positions p.. p+rows-1.
+
+    Row g*rows + i (one copy per query head of a KV group) has 0 at columns <= S-1+i, so in the
+    slice column j is visible exactly when j <= p + i.
+    """
+    s = state_len
+    cols = np.arange(2 * s)[None, :]
+    i = np.arange(rows)[:, None]
+    base = np.where(cols <= s - 1 + i, 0.0, MASK_VALUE).astype(np.float16)
+    return np.tile(base, (groups, 1))
+
+
+# -- graph ---------------------------------------------------------------------------------------
+
+
+def _build_program(config: ModelConfig, w: dict[str, np.ndarray], dims: _Dims, L: int, kv: str):
+    """One MIL program (function `main`) for sequence length L."""
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    H, KV, hd = dims.heads, dims.kv_heads, dims.head_dim
+    hds, S, NL = dims.state_head_dim, dims.state_len, dims.layers
+    G = H // KV
+    cache_shape = (NL, KV, S, hds)
+    cos_t, sin_t = _rope_tables(config, S)
+    specs = [
+        mb.TensorSpec((1, L), dtype=types.int32),
+        mb.TensorSpec((1,), dtype=types.int32),
+    ]
+    spec_type = mb.StateTensorSpec if kv == "state" else mb.TensorSpec
+    specs += [spec_type(cache_shape, dtype=types.fp16) for _ in range(2)]  # one object each
+
+    def i32(v) -> np.ndarray:
+        return np.array(v, dtype=np.int32)
+
+    def rms_norm(x, weight: np.ndarray, axis: int, name: str):
+        # ANEMLL: layer_norm of [x, -x] is x / rms(x); no pow, no fp16 square of x by hand.
+        n = weight.shape[0]
+        both = mb.concat(values=[x, mb.mul(x=x, y=np.float16(-1.0))], axis=axis)
+        gamma = np.concatenate([weight, weight]).astype(np.float16)
+        normed = mb.layer_norm(
+            x=both, axes=[axis], gamma=gamma, epsilon=np.float16(dims.eps), name=name
+        )
+        return mb.split(x=normed, split_sizes=[n, n], axis=axis)[0]
+
+    def conv(x, weight_key: str, bias_key: str | None = None):
+        kwargs: dict[str, Any] = {}
+        if bias_key is not None:
+            kwargs["bias"] = mb.const(val=w[bias_key], name=_cname(bias_key))
+        return mb.conv(x=x, weight=mb.const(val=w[weight_key], name=_cname(weight_key)), **kwargs)
+
+    def heads_last(x, n: int):
+        """(1, n*hd, 1, L) -> (1, n, L, hd)."""
+        x = mb.reshape(x=x, shape=i32([1, n, hd, L]))
+        return mb.transpose(x=x, perm=i32([0, 1, 3, 2]))
+
+    def rope(x, cos, sin):
+        x1, x2 = mb.split(x=x, num_splits=2, axis=-1)
+        rotated = mb.concat(values=[mb.mul(x=x2, y=np.float16(-1.0)), x1], axis=-1)
+        return mb.add(x=mb.mul(x=x, y=cos), y=mb.mul(x=rotated, y=sin))
+
+    def pad_head(x):
+        if hds == hd:
+            return x
+        zeros = np.zeros((1, KV, L, hds - hd), dtype=np.float16)
+        return mb.concat(values=[x, zeros], axis=-1)
+
+    def body(input_ids, position, key_cache, value_cache):
+        zero = i32([0])
+        # Position-dependent slices of constant tables: RoPE rows p..p+L-1 and the mask.
+        rope_begin = mb.concat(values=[position, zero], axis=0)
+        cos = mb.slice_by_size(x=cos_t, begin=rope_begin, size=i32([L, hd]), name="rope_cos")
+        sin = mb.slice_by_size(x=sin_t, begin=rope_begin, size=i32([L, hd]), name="rope_sin")
+        mask_col = mb.sub(x=i32([S - 1]), y=position)
+        mask = mb.slice_by_size(
+            x=_mask_table(L, G, S),
+            begin=mb.concat(values=[zero, mask_col], axis=0),
+            size=i32([G * L, S]),
+            name="causal_mask",
+        )
+        cache_begin = mb.concat(values=[i32([0, 0]), position, zero], axis=0)
+
+        if kv == "state":
+            k_chain = mb.read_state(input=key_cache, name="read_key_cache")
+            v_chain = mb.read_state(input=value_cache, name="read_value_cache")
+        else:
+            k_chain, v_chain = key_cache, value_cache
+        new_keys, new_values = [], []
+
+        emb = mb.gather(x=mb.const(val=w["embed"], name="embed_tokens"), indices=input_ids, axis=0)
+        x = mb.expand_dims(x=mb.transpose(x=emb, perm=i32([0, 2, 1])), axes=[2])  # (1, D, 1, L)
+
+        for i in range(NL):
+            p = f"l{i}"
+            h = rms_norm(x, w[f"{p}.in_norm"], 1, f"{p}_input_norm")
+            bias = config.attention_bias
+            q = conv(h, f"{p}.q", f"{p}.bq" if bias else None)
+            k = conv(h, f"{p}.k", f"{p}.bk" if bias else None)
+            v = conv(h, f"{p}.v", f"{p}.bv" if bias else None)
+            q, k, v = heads_last(q, H), heads_last(k, KV), heads_last(v, KV)
+            if config.qk_norm:
+                q = rms_norm(q, w[f"{p}.q_norm"], 3, f"{p}_q_norm")
+                k = rms_norm(k, w[f"{p}.k_norm"], 3, f"{p}_k_norm")
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+
+            # Write this layer's new rows at [layer i, :, p:p+L, :] and read the layer back.
+            begin = cache_begin if i == 0 else mb.add(x=cache_begin, y=i32([i, 0, 0, 0]))
+            end = mb.add(x=cache_begin, y=i32([i + 1, KV, L, hds]))
+            k_new, v_new = pad_head(k), pad_head(v)
+            # Each update directly follows its write: coremltools' canonicalize_inplace_pattern
+            # pass expects that order (interleaving the K and V writes trips it up).
+            k_chain = mb.slice_update(x=k_chain, update=k_new, begin=begin, end=end)
+            if kv == "state":
+                k_chain = mb.coreml_update_state(state=key_cache, value=k_chain)
+            v_chain = mb.slice_update(x=v_chain, update=v_new, begin=begin, end=end)
+            if kv == "state":
+                v_chain = mb.coreml_update_state(state=value_cache, value=v_chain)
+            else:
+                new_keys.append(k_new)
+                new_values.append(v_new)
+            layer_begin, layer_end = i32([i, 0, 0, 0]), i32([i + 1, KV, S, hd])
+            squeeze = [True, False, False, False]
+            keys = mb.slice_by_index(
+                x=k_chain, begin=layer_begin, end=layer_end, squeeze_mask=squeeze
+            )
+            values = mb.slice_by_index(
+                x=v_chain, begin=layer_begin, end=layer_end, squeeze_mask=squeeze
+            )
+
+            # Grouped-query attention: the G query heads of a KV head become G*L query rows.
+            qg = mb.reshape(x=q, shape=i32([KV, G * L, hd]))
+            scores = mb.matmul(x=qg, y=keys, transpose_y=True)  # (KV, G*L, S)
+            probs = mb.softmax(x=mb.add(x=scores, y=mask), axis=-1)
+            attn = mb.matmul(x=probs, y=values)  # (KV, G*L, hd)
+            attn = mb.transpose(
+                x=mb.reshape(x=attn, shape=i32([1, H, L, hd])), perm=i32([0, 1, 3, 2])
+            )
+            attn = mb.reshape(x=attn, shape=i32([1, H * hd, 1, L]))
+            x = mb.add(x=x, y=conv(attn, f"{p}.o"))
+
+            h = rms_norm(x, w[f"{p}.post_norm"], 1, f"{p}_post_attention_norm")
+            gate = mb.silu(x=conv(h, f"{p}.gate"))
+            x = mb.add(x=x, y=conv(mb.mul(x=gate, y=conv(h, f"{p}.up")), f"{p}.down"))
+
+        h = rms_norm(x, w["norm"], 1, "final_norm")
+        outputs = []
+        for j, n in enumerate(dims.vocab_splits):
+            logits = conv(h, f"lm_head_{j}")  # (1, n, 1, L)
+            logits = mb.reshape(x=logits, shape=i32([1, n, L]))
+            outputs.append(mb.transpose(x=logits, perm=i32([0, 2, 1]), name=f"logits_{j}"))
+        if kv == "io":
+            outputs.append(mb.concat(values=new_keys, axis=0, name="new_keys"))
+            outputs.append(mb.concat(values=new_values, axis=0, name="new_values"))
+        return tuple(outputs)
+
+    @mb.program(input_specs=specs, opset_version=ct.target.iOS18)
+    def prog(input_ids, position, key_cache, value_cache):
+        return body(input_ids, position, key_cache, value_cache)
+
+    return prog
+
+
+# The graph above is already float16 and fused the way we want it, so instead of coremltools'
+# 95-pass default pipeline (which re-validates the whole program after each pass and dominates
+# conversion time) we run only the passes that change something here: int16 gather indices and
+# their negative-index guard (Core ML's own choice for embedding lookups), the canonical order of
+# state updates that Core ML expects, and clean-up.
+_PASSES = (
+    "common::const_elimination",
+    "common::add_int16_cast",
+    "common::guard_negative_gather_indices",
+    "common::cast_optimization",
+    "common::const_elimination",
+    "common::canonicalize_inplace_pattern",
+    "common::prefer_state_in_downstream",
+    "common::const_deduplication",
+    "common::dead_code_elimination",
+    "common::dedup_op_and_var_names",
+)
+
+
+def _pass_pipeline():
+    import coremltools as ct
+
+    pipeline = ct.PassPipeline.EMPTY
+    for name in _PASSES:
+        pipeline.append_pass(name)
+    return pipeline
+
+
+def _cname(key: str) -> str:
+    """Const names: stable, readable, and usable as keys of the compression config."""
+    return "w_" + key.replace(".", "_")
+
+
+# -- compression ---------------------------------------------------------------------------------
+
+
+def _compression_config(compress: str, w: dict[str, np.ndarray]):
+    """Per-weight coremltools OptimizationConfig, or None for compress="none"."""
+    import coremltools.optimize.coreml as cto
+
+    if compress == "none":
+        return None
+    names: dict[str, tuple[int, ...]] = {"embed_tokens": w["embed"].shape}
+    for key, val in w.items():
+        if key.startswith("lm_head_") or (
+            key.startswith("l") and key.split(".")[-1] in ("q", "k", "v", "o", "gate", "up", "down")
+        ):
+            names[_cname(key)] = val.shape
+    configs = {}
+    for name, shape in names.items():
+        out_ch, per_channel = shape[0], int(np.prod(shape[1:]))
+        if compress == "int8":
+            configs[name] = cto.OpLinearQuantizerConfig(
+                mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=1
+            )
+            continue
+        nbits = 4 if compress == "palettize4" else 6
+        group = _palette_group(out_ch, per_channel)
+        if group is None:
+            continue  # too small for the exact k-means; stays float16 (tiny models only)
+        configs[name] = cto.OpPalettizerConfig(
+            mode="kmeans",
+            nbits=nbits,
+            granularity="per_grouped_channel",
+            group_size=group,
+            channel_axis=0,
+            weight_threshold=1,
+        )
+    return cto.OptimizationConfig(op_name_configs=configs)
+
+
+def _palette_group(out_channels: int, per_channel: int) -> int | None:
+    """Smallest channel group (16, 32, ... dividing out_channels) with >= 10k weights, if any."""
+    g = 16
+    while g <= out_channels:
+        if out_channels % g == 0 and g * per_channel >= KMEANS1D_MIN_WEIGHTS:
+            return g
+        g *= 2
+    if out_channels * per_channel >= KMEANS1D_MIN_WEIGHTS:
+        return out_channels
+    return None
+
+
+def _compress(mlmodel, compress: str, w: dict[str, np.ndarray]):
+    import coremltools.optimize.coreml as cto
+
+    config = _compression_config(compress, w)
+    if config is None:
+        return mlmodel
+    if compress == "int8":
+        return cto.linear_quantize_weights(mlmodel, config)
+    return cto.palettize_weights(mlmodel, config)
+
+
+# -- the package ---------------------------------------------------------------------------------
+
+
+def _describe(dims: _Dims, context: int, chunk: int, kv: str, compress: str, cfg: ModelConfig):
+    cache = [dims.layers, dims.kv_heads, dims.state_len, dims.state_head_dim]
+    functions: dict[str, Any] = {}
+    for name, L in (("decode", 1), ("chunk", chunk)):
+        inputs: dict[str, list[int]] = {"input_ids": [1, L], "position": [1]}
+        outputs = {f"logits_{j}": [1, L, n] for j, n in enumerate(dims.vocab_splits)}
+        states: dict[str, list[int]] = {}
+        if kv == "state":
+            states = {"key_cache": cache, "value_cache": cache}
+        else:
+            inputs.update({"key_cache": cache, "value_cache": cache})
+            outputs.update(
+                {
+                    "new_keys": [dims.layers, dims.kv_heads, L, dims.state_head_dim],
+                    "new_values": [dims.layers, dims.kv_heads, L, dims.state_head_dim],
+                }
+            )
+        functions[name] = {
+            "tokens": L,
+            "inputs": inputs,
+            "outputs": outputs,
+            "states": states,
+        }
+    return {
+        "format": "ondevice-coreml-draft",
+        "format_version": FORMAT_VERSION,
+        "model_type": cfg.model_type,
+        "vocab_size": dims.vocab,
+        "hidden_size": dims.hidden,
+        "num_layers": dims.layers,
+        "context": context,
+        "state_length": dims.state_len,
+        "chunk": chunk,
+        "kv": kv,
+        "compression": compress,
+        "dtype": "float16",
+        "min_deployment_target": MIN_DEPLOYMENT,
+        "default_function": "decode",
+        "functions": functions,
+        "logits": [f"logits_{j}" for j in range(len(dims.vocab_splits))],
+        "vocab_splits": list(dims.vocab_splits),
+        "kv_cache": {
+            "names": ["key_cache", "value_cache"],
+            "shape": cache,
+            "head_dim": dims.head_dim,
+            "dtype": "float16",
+        },
+    }
+
+
+def convert_draft(
+    config: ModelConfig,
+    weights: dict[str, np.ndarray],
+    out: Path,
+    *,
+    context: int = 1024,
+    chunk: int = 16,
+    compress: str = "none",
+    kv: str = "state",
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Write the draft as a multifunction `.mlpackage` at `out`; return its description.
+
+    `weights`: float32 numpy arrays with Hugging Face names (`lm_head.weight` absent when tied).
+    The description (functions with their input/output/state shapes, context, chunk, kv mode,
+    compression, vocabulary, deployment target) is also stored in the package's user-defined
+    metadata under "ondevice.draft", where the draft engines read it.
+    """
+    import coremltools as ct
+    from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
+
+    say = progress or (lambda _msg: None)
+    out = Path(out)
+    if compress not in COMPRESSIONS:
+        raise OndeviceError(
+            f"unknown compression {compress!r}; choose one of {', '.join(COMPRESSIONS)}."
+        )
+    if kv not in KV_MODES:
+        raise OndeviceError(f"unknown kv mode {kv!r}; choose one of {', '.join(KV_MODES)}.")
+    if chunk < 2 or chunk > 512:
+        raise OndeviceError(f"chunk {chunk} is out of range; use 2..512 tokens (16 is typical).")
+    if context < chunk or context > 32768:
+        raise OndeviceError(f"context {context} is out of range; use {chunk}..32768 tokens.")
+    if out.exists():
+        raise OndeviceError(f"{out} already exists; remove it or choose another path.")
+    _check_config(config)
+
+    t0 = time.perf_counter()
+    say("preparing weights")
+    w = _prepare_weights(config, weights)
+    dims = _Dims(
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        state_head_dim=_round_up(config.head_dim, STATE_ALIGN),
+        state_len=_round_up(context, STATE_ALIGN),
+        vocab=config.vocab_size,
+        vocab_splits=_vocab_splits(config.vocab_size),
+        eps=float(config.rms_norm_eps),
+    )
+    description = _describe(dims, context, chunk, kv, compress, config)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".draft-", dir=out.parent))
+    try:
+        desc = MultiFunctionDescriptor()
+        for name, L in (("decode", 1), ("chunk", chunk)):
+            say(f"building function {name} ({L} token{'s' if L > 1 else ''})")
+            prog = _build_program(config, w, dims, L, kv)
+            mlmodel = ct.convert(
+                prog,
+                convert_to="mlprogram",
+                minimum_deployment_target=ct.target.macOS15,
+                compute_precision=ct.precision.FLOAT16,
+                pass_pipeline=_pass_pipeline(),
+                skip_model_load=True,
+            )
+            if compress != "none":
+                say(f"compressing function {name} ({compress})")
+                mlmodel = _compress(mlmodel, compress, w)
+            path = work / f"{name}.mlpackage"
+            mlmodel.save(str(path))
+            del mlmodel, prog
+            desc.add_function(str(path), src_function_name="main", target_function_name=name)
+        desc.default_function_name = "decode"
+        say("merging functions (weights shared)")
+        merged = work / "merged.mlpackage"
+        save_multifunction(desc, str(merged))
+
+        say("writing metadata")
+        model = ct.models.MLModel(str(merged), skip_model_load=True)
+        model.author = "ondevice"
+        model.short_description = (
+            f"{config.model_type} draft for speculative decoding: decode (1 token) and chunk "
+            f"({chunk} tokens) functions, context {context}, KV cache as {kv}."
+        )
+        model.user_defined_metadata[METADATA_KEY] = json.dumps(description)
+        final = work / "final.mlpackage"
+        model.save(str(final))
+        final.rename(out)
+    except OndeviceError:
+        raise
+    except Exception as e:
+        raise OndeviceError(
+            f"Core ML conversion of the draft failed ({type(e).__name__}: {e}); nothing was "
+            f"written to {out}."
+        ) from e
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    description["size_bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    description["conversion_seconds"] = round(time.perf_counter() - t0, 2)
+    say(f"wrote {out} in {description['conversion_seconds']:.1f}s")
+    return description

@@ -1,0 +1,148 @@
+"""Draft engines over a converted `.mlpackage`: Core ML (macOS 15+) and the numpy reference.
+
+Both run the same package with the same logic; only the object that executes a function
+differs: `coremltools.models.MLModel` on the Neural Engine, or `ReferenceModel` (numpy, any OS).
+
+The cache is position-indexed, like gpt-fast's static cache: feeding writes the new tokens' keys
+and values at [length, length + n) and attention masks every slot beyond each query's position.
+So `trim(n)` only moves `length` back; the stale slots are invisible and get overwritten by the
+next feed. Runs of tokens go through the `chunk` function (padded to its fixed length; padding
+lands beyond the last real token, so it is overwritten before anything can attend to it), single
+tokens through `decode`. With kv="io" the engine keeps the cache arrays itself and stores the new
+rows each function returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ondevice.errors import ContextLengthError, OndeviceError
+
+FUNCTIONS = ("decode", "chunk")
+
+
+class _PackageDraftEngine:
+    """The engine logic; subclasses only say how to load a function of the package."""
+
+    name = "package"
+    min_chunk_tokens = 2  # feeds of this many tokens or more use the chunk function
+
+    def __init__(self, mlpackage: str | Path):
+        from ondevice.convert.executor import read_description
+
+        self.path = Path(mlpackage)
+        meta = read_description(self.path)
+        self.meta = meta
+        self.vocab_size = int(meta["vocab_size"])
+        self.context_length = int(meta["context"])
+        self.chunk = int(meta["chunk"])
+        self.state_length = int(meta["state_length"])
+        self.kv = meta["kv"]
+        self.logit_names = list(meta["logits"])
+        self.models = self._load_functions(self.path, FUNCTIONS)
+        self._pos = 0
+        if self.kv == "state":
+            # One state shared by both functions: they declare the same KV-cache states.
+            self._state = self.models["decode"].make_state()
+        else:
+            shape = tuple(meta["kv_cache"]["shape"])
+            self._keys = np.zeros(shape, np.float16)
+            self._values = np.zeros(shape, np.float16)
+
+    def _load_functions(self, path: Path, names: Sequence[str]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @property
+    def length(self) -> int:
+        return self._pos
+
+    def reset(self) -> None:
+        self._pos = 0  # every slot is now beyond the position: masked, then overwritten
+
+    def trim(self, n: int) -> None:
+        if n < 0 or n > self._pos:
+            raise ValueError(f"cannot trim {n} tokens from a cache of {self._pos}.")
+        self._pos -= n
+
+    def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray:
+        toks = [int(t) for t in tokens]
+        if not toks:
+            raise ValueError("feed needs at least one token.")
+        if self._pos + len(toks) > self.context_length:
+            raise ContextLengthError(
+                f"the draft's context is {self.context_length} tokens; {self._pos} are in the "
+                f"cache and {len(toks)} more were fed. Convert the draft with a larger --context."
+            )
+        if min(toks) < 0 or max(toks) >= self.vocab_size:
+            raise OndeviceError(
+                f"token id out of range for the draft's vocabulary ({self.vocab_size})."
+            )
+        rows: list[np.ndarray] = []
+        i = 0
+        while i < len(toks):
+            left = len(toks) - i
+            if left >= self.min_chunk_tokens and self._pos + self.chunk <= self.state_length:
+                take = min(left, self.chunk)
+                ids = toks[i : i + take] + [0] * (self.chunk - take)
+                out = self._run("chunk", ids, take)
+            else:
+                take = 1
+                out = self._run("decode", toks[i : i + 1], 1)
+            last = i + take == len(toks)
+            if not last_only or last:
+                keep = slice(take - 1, take) if last_only else slice(0, take)
+                rows.append(self._logits(out, keep))
+            i += take
+            self._pos += take
+        logits = np.concatenate(rows, axis=0)
+        return logits[-1] if last_only else logits
+
+    def _run(self, function: str, ids: list[int], real: int) -> dict[str, np.ndarray]:
+        inputs: dict[str, np.ndarray] = {
+            "input_ids": np.array([ids], dtype=np.int32),
+            "position": np.array([self._pos], dtype=np.int32),
+        }
+        model = self.models[function]
+        if self.kv == "state":
+            return model.predict(inputs, state=self._state)
+        inputs["key_cache"], inputs["value_cache"] = self._keys, self._values
+        out = model.predict(inputs)
+        end = self._pos + real
+        self._keys[:, :, self._pos : end] = out["new_keys"][:, :, :real]
+        self._values[:, :, self._pos : end] = out["new_values"][:, :, :real]
+        return out
+
+    def _logits(self, out: dict[str, np.ndarray], rows: slice) -> np.ndarray:
+        parts = [np.asarray(out[name])[0, rows] for name in self.logit_names]
+        return np.concatenate(parts, axis=-1).astype(np.float32)
+
+
+class ReferenceDraftEngine(_PackageDraftEngine):
+    """The draft package run by the numpy reference executor (any OS)."""
+
+    name = "reference"
+
+    def _load_functions(self, path: Path, names: Sequence[str]) -> dict[str, Any]:
+        from ondevice.convert.executor import ReferenceModel
+
+        return ReferenceModel.load_functions(path, names)
+
+
+class CoreMLDraftEngine(_PackageDraftEngine):
+    """The draft package run by Core ML on the Neural Engine (macOS 15 or newer)."""
+
+    name = "coreml"
+
+    def _load_functions(self, path: Path, names: Sequence[str]) -> dict[str, Any]:
+        import coremltools as ct
+
+        return {
+            n: ct.models.MLModel(
+                str(path), compute_units=ct.ComputeUnit.CPU_AND_NE, function_name=n
+            )
+            for n in names
+        }
