@@ -29,6 +29,7 @@ SUMMARY_FIELDS = (
     "time_draft_s",
     "time_verify_s",
     "peak_memory_bytes",
+    "memory_bytes",
 )
 
 
@@ -86,6 +87,9 @@ def test_bench_writes_json_and_png(pair, prompts, tmp_path, capsys):
         assert s["mean_accepted_length"] == pytest.approx(
             (s["accepted"] + s["rounds"]) / s["rounds"]
         )
+    weights = m["verifier"]["param_bytes"] + m["draft"]["param_bytes"]
+    assert chain["all"]["memory_bytes"] >= weights
+    assert r["aggregates"]["plain"]["all"]["memory_bytes"] < weights
     assert r["aggregates"]["plain"]["all"]["speedup"] == pytest.approx(1.0)
     assert r["aggregates"]["plain"]["all"]["acceptance_rate"] is None
 

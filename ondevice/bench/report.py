@@ -54,6 +54,7 @@ def _summarize(rs: Sequence[dict]) -> dict[str, Any]:
         "time_verify_s": sum(t_verify) if t_verify else None,
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rs),
         "working_memory_bytes": max(r["working_memory_bytes"] for r in rs),
+        "memory_bytes": max(r["memory_bytes"] for r in rs),
         "checked": len(checked),
         "mismatches": sum(not r["matches_reference"] for r in checked),
     }
@@ -203,7 +204,7 @@ def table(results: dict[str, Any]) -> str:
     methods = list(agg)
     lines = [
         f"{'method':<12} {'tok/s':>7} {'speedup':>7} {'accept':>6} {'len':>5} "
-        f"{'draft%':>6} {'peak MB':>8} {'greedy':>8}"
+        f"{'draft%':>6} {'mem MB':>7} {'greedy':>8}"
     ]
     for m in methods:
         s = agg[m].get(ALL)
@@ -220,8 +221,13 @@ def table(results: dict[str, Any]) -> str:
             f"{_fmt(s['speedup'], '.2f') + 'x':>7} {_fmt(s['acceptance_rate'], '6.2f'):>6} "
             f"{_fmt(s['mean_accepted_length'], '5.2f'):>5} "
             f"{_fmt(share * 100 if share is not None else None, '5.0f'):>6} "
-            f"{s['peak_memory_bytes'] / 2**20:8.0f} {greedy:>8}"
+            f"{s['memory_bytes'] / 2**20:7.0f} {greedy:>8}"
         )
+    lines.append(
+        "(tok/s: decode rate; speedup: over plain, same run; accept: accepted/drafted; len: "
+        "tokens per verifier pass; draft%: draft share of draft+verify time; mem: weights used "
+        "+ working memory)"
+    )
     cats = [c for c in agg.get("plain", {}) if c != ALL]
     shown = [m for m in methods if m != "plain"]
     if cats and shown:

@@ -78,6 +78,9 @@ class Bench:
         self.options = options
         self.runs = method_runs(gen, options)
         self.eos = frozenset(gen.tokenizer.eos_token_ids)
+        self.verifier_bytes = param_bytes(gen.verifier.model)
+        draft = draft_mlx_model(gen)
+        self.draft_bytes = param_bytes(draft) if draft is not None else 0
         self.peer: MlxLmPeer | None = None
         for peer in options.peers:
             if peer != "mlx-lm":
@@ -170,6 +173,14 @@ class Bench:
                 draft_backend=stats.get("draft_backend"),
             )
         d, a, r = rec["drafted"], rec["accepted"], rec["rounds"]
+        # What this method alone needs: the weights it uses plus its working memory. The MLX
+        # peak itself counts every model loaded in the process (peers' copies included).
+        uses_draft = method in ("mlx-lm-spec", *DRAFT_METHODS) or d > 0
+        rec["memory_bytes"] = (
+            self.verifier_bytes
+            + (self.draft_bytes if uses_draft else 0)
+            + rec["working_memory_bytes"]
+        )
         rec["acceptance_rate"] = a / d if d else None
         rec["mean_accepted_length"] = (a + r) / r if d and r else None
         return rec
