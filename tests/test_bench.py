@@ -97,7 +97,10 @@ def test_bench_writes_json_and_png(pair, prompts, tmp_path, capsys):
     assert [x["method"] for x in recs] == ["plain", "chain"] * 4  # interleaved per prompt
     for x in recs:
         assert x["generation_tokens"] == len(x["tokens"]) > 0
-        assert x["tokens_per_second"] > 0 and x["speedup"] > 0
+        assert x["tokens_per_second"] == pytest.approx(x["decode_tokens"] / x["decode_s"])
+        assert x["speedup"] > 0
+    # the decode rate starts after the first verifier pass: one token for plain decoding
+    assert all(x["decode_tokens"] == x["generation_tokens"] - 1 for x in recs[::2])
     # greedy speculative decoding is lossless: the canary stays quiet
     assert r["greedy_outputs_match"] is True and r["mismatches"] == []
     assert all(x["matches_reference"] for x in recs if x["method"] == "chain")

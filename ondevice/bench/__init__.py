@@ -33,7 +33,10 @@ def _model_info(gen: Any) -> dict[str, Any]:
     if gen.draft is not None:
         pair = getattr(gen, "_pair", None)
         path = getattr(getattr(pair, "draft", None), "path", None)
-        d: dict[str, Any] = {"name": path.name if path else "draft", "backend": gen.draft_backend}
+        name = "draft" if path is None else path.name
+        if path is not None and path.name == "mlx" and path.parent.name == "draft":
+            name = f"{path.parent.parent.name} draft"  # the MLX twin inside a pair bundle
+        d: dict[str, Any] = {"name": name, "backend": gen.draft_backend}
         if draft is not None:
             d["param_bytes"] = param_bytes(draft)
             info["draft_to_verifier_memory"] = d["param_bytes"] / v["param_bytes"]
@@ -85,7 +88,7 @@ def run_bench(
         for p, ids in encoded:
 
             def tick(method: str, p: BenchPrompt = p) -> None:
-                bar.set_postfix_str(f"{p.category}/{p.question_id} {method}", refresh=False)
+                bar.set_postfix_str(f"{p.category}/{p.question_id} {method}")
 
             recs = bench.run_prompt(p, ids, tick)
             bar.update(len(recs))
@@ -104,8 +107,9 @@ def run_bench(
             "methods": bench.runs,
             "num_draft_tokens": options.num_draft_tokens,
             "peers": list(options.peers),
-            "timing": "tokens_per_second = (tokens - 1) / (last token time - first token time); "
-            "speedup = that rate over plain decoding's on the same prompts, run interleaved",
+            "timing": "tokens_per_second = tokens after the first verifier pass / time from "
+            "that pass to the last token (prefill excluded); speedup = that rate over plain "
+            "decoding's on the same prompts, run interleaved",
             **(settings or {}),
         },
         "prompts": {

@@ -164,8 +164,9 @@ def _title(results: dict[str, Any]) -> str:
     temp = s.get("temperature", 0)
     mode = "greedy" if not temp else f"temperature {temp}"
     pair = f"{v}  +  draft {d}" if d else v
+    n = results.get("prompts", {}).get("count", 0)
     return (
-        f"ondevice bench: {pair}\n{results.get('prompts', {}).get('count', '?')} prompts, "
+        f"ondevice bench: {pair}\n{n} prompt{'' if n == 1 else 's'}, "
         f"{s.get('max_tokens')} new tokens, {mode}   |   {where}"
     )
 

@@ -26,12 +26,9 @@ def per_prompt_speedups(records: Sequence[dict]) -> None:
 
 def _summarize(rs: Sequence[dict]) -> dict[str, Any]:
     """Token-weighted aggregates: rates are total tokens over total time, not means of rates."""
-    decode_tokens = sum(r["generation_tokens"] - 1 for r in rs if r.get("tokens_per_second"))
-    decode_s = sum(
-        (r["generation_tokens"] - 1) / r["tokens_per_second"]
-        for r in rs
-        if r.get("tokens_per_second")
-    )
+    timed = [r for r in rs if r.get("tokens_per_second")]
+    decode_tokens = sum(r["decode_tokens"] for r in timed)
+    decode_s = sum(r["decode_s"] for r in timed)
     tokens = sum(r["generation_tokens"] for r in rs)
     total_s = sum(r["total_s"] for r in rs)
     drafted = sum(r.get("drafted") or 0 for r in rs)
