@@ -1,0 +1,117 @@
+"""`ondevice distill`: train a draft model for a verifier by knowledge distillation."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "distill",
+        help="train a draft model for a verifier (knowledge distillation with MLX)",
+        description=(
+            "Train a small draft that imitates VERIFIER: it starts from the verifier's embeddings, "
+            "final norm and a subset of its layers, and learns the verifier's top-k next-token "
+            "distributions. Without --data the verifier writes its own training conversations "
+            "(Magpie). Data and checkpoints are kept in OUTPUT.work/, so --resume continues a "
+            "stopped run; the draft in OUTPUT is refreshed at every checkpoint."
+        ),
+    )
+    p.add_argument("--verifier", required=True, help="verifier: model folder, .gguf file or name")
+    p.add_argument("-o", "--output", required=True, help="folder to write the draft model to")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        metavar="FILE",
+        help=".txt files (one document each) or .jsonl files (text / messages / turns per line) "
+        "instead of self-generated data",
+    )
+    p.add_argument(
+        "--layers",
+        default="4",
+        help="number of draft layers (taken from the bottom and top of the verifier), or "
+        "verifier layer indices such as 0,1,28,29 (default: 4)",
+    )
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="score only the first K token ids (FR-Spec; recorded as draft_vocab_size in "
+        "config.json; default: the full vocabulary)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=100_000,
+        help="self-generated training positions to build (default: 100000)",
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--steps", type=int, default=2000, help="training steps (default: 2000)")
+    p.add_argument("--minutes", type=float, help="stop training after this many minutes")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per step (default: 8)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per row (default: 256)")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default: 5e-4)")
+    p.add_argument("--top-k", type=int, default=20, help="teacher probabilities kept per position")
+    p.add_argument(
+        "--gen-batch", type=int, default=32, help="conversations generated at once (default: 32)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=288, help="longest conversation/document piece"
+    )
+    p.add_argument(
+        "--embed-bits",
+        type=int,
+        default=4,
+        choices=(0, 4, 8),
+        help="quantize the (frozen) embedding to this many bits, 0 = keep float (default: 4)",
+    )
+    p.add_argument(
+        "--max-mb",
+        type=float,
+        default=30.0,
+        help="quantize the layers as little as fits this size; 0 = no limit (default: 30)",
+    )
+    p.add_argument("--work-dir", help="data and checkpoint folder (default: OUTPUT.work)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=100, help="steps between held-out checks")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=50, help="steps between checkpoints/exports"
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ondevice.distill import distill
+
+    summary = distill(
+        args.verifier,
+        args.output,
+        data_files=args.data,
+        layers=args.layers,
+        vocab=args.vocab,
+        tokens=args.tokens,
+        resume=args.resume,
+        steps=args.steps,
+        minutes=args.minutes,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        learning_rate=args.lr,
+        top_k=args.top_k,
+        gen_batch=args.gen_batch,
+        max_tokens=args.max_tokens,
+        embed_bits=args.embed_bits or None,
+        max_mb=args.max_mb or None,
+        work_dir=args.work_dir,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every,
+        progress=not args.quiet,
+    )
+    start = summary.get("acceptance_estimate_start")
+    print(
+        f"draft written to {args.output}: {summary['step']} steps in {summary['train_time_s']:.0f}s, "
+        f"held-out greedy agreement {summary['acceptance_estimate']:.3f}"
+        + (f" (before training {start:.3f})" if start is not None else "")
+    )
+    return 0

@@ -1,0 +1,117 @@
+"""Write a trained student as a draft model folder that ondevice and mlx_lm both load.
+
+The folder is a complete small model (config.json, model.safetensors, tokenizer files), written
+to a temporary folder and renamed into place, so an interrupted export never leaves half a draft.
+To fit a size budget the embedding is quantized (it was frozen at those values during training)
+and the layers get the most bits that still fit.
+
+`config.json` carries one extra field when the output vocabulary was truncated:
+`"draft_vocab_size": K` means the draft was trained to score only token ids 0..K-1. The model
+itself keeps the full tied vocabulary, so any loader works unchanged; a runtime that reads the
+field may compute logits for the first K ids only (and treat the rest as probability zero).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ondevice.models import Tokenizer
+from ondevice.models.transformer import Model
+from ondevice.models.weights import save_model
+
+DRAFT_VOCAB_FIELD = "draft_vocab_size"
+
+
+def _quantized_size(n_params: int, bits: int, group: int) -> int:
+    return n_params * bits // 8 + n_params // group * 4  # packed values + fp16 scale and bias
+
+
+def export_draft(
+    student: Model,
+    tokenizer: Tokenizer,
+    out: Path,
+    *,
+    vocab: int | None,
+    embed_bits: int | None,
+    max_bytes: int | None,
+    info: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Save `student` into `out` (replacing it); returns how it was stored."""
+    out = Path(out)
+    model = Model(copy.deepcopy(student.config))
+    model.load_weights(list(tree_flatten(student.parameters())))
+    model.unfreeze()
+    cfg = model.config
+    group = 64 if cfg.hidden_size % 64 == 0 else 32
+    if embed_bits:
+        nn.quantize(
+            model,
+            group_size=group,
+            bits=embed_bits,
+            class_predicate=lambda p, m: isinstance(m, nn.Embedding),
+        )
+    layer_bits = None
+    if max_bytes is not None:
+        fixed = sum(
+            v.nbytes
+            for k, v in tree_flatten(model.parameters())
+            if not k.startswith("model.layers.")
+        )
+        fixed += 4 << 20  # tokenizer files and headroom
+        n_layer = sum(
+            v.size
+            for k, v in tree_flatten(model.parameters())
+            if k.startswith("model.layers.") and v.ndim == 2
+        )
+        if fixed + n_layer * 2 > max_bytes:  # float16 does not fit: the most bits that do
+            for bits in (8, 6, 5, 4, 3, 2):
+                if fixed + _quantized_size(n_layer, bits, group) <= max_bytes:
+                    layer_bits = bits
+                    break
+            else:
+                layer_bits = 2
+    if layer_bits:
+        nn.quantize(
+            model,
+            group_size=group,
+            bits=layer_bits,
+            class_predicate=lambda p, m: isinstance(m, nn.Linear) and p.startswith("model.layers."),
+        )
+    model.set_dtype(mx.float16, lambda d: mx.issubdtype(d, mx.floating))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model, tmp)
+    tokenizer.save(tmp)
+    conf = json.loads((tmp / "config.json").read_text())
+    conf["torch_dtype"] = "float16"
+    if vocab is not None:
+        conf[DRAFT_VOCAB_FIELD] = vocab
+    (tmp / "config.json").write_text(json.dumps(conf, indent=1))
+    stored = {"embed_bits": embed_bits, "layer_bits": layer_bits, "group_size": group}
+    if info is not None:
+        (tmp / "distill.json").write_text(json.dumps({**info, "storage": stored}, indent=1))
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+    return stored
+
+
+def draft_vocab_size(folder: Path) -> int | None:
+    """The truncated output vocabulary recorded in a draft's config.json, if any."""
+    p = Path(folder) / "config.json"
+    try:
+        return json.loads(p.read_text()).get(DRAFT_VOCAB_FIELD)
+    except (OSError, json.JSONDecodeError):
+        return None

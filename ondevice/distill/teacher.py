@@ -1,0 +1,103 @@
+"""The verifier as a teacher: a float32 copy of it and its top-k next-token distributions.
+
+Quantized layers are expanded to float32 once: MLX's CPU kernels for quantized matrix products
+are many times slower than a BLAS float product, and the expanded weights compute the very same
+function. The student starts from these float weights too.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ondevice.models import Tokenizer, load_model
+from ondevice.models.config import ModelConfig
+from ondevice.models.transformer import Model
+
+
+@dataclass
+class Teacher:
+    model: Model  # float32, no quantized layers
+    config: ModelConfig  # the verifier's config (quantization cleared)
+    tokenizer: Tokenizer
+    weights: dict[str, mx.array]  # float32, Hugging Face names
+    path: Path
+
+
+def load_teacher(name: str | Path) -> Teacher:
+    """Load a verifier (folder, GGUF, cached name) and expand it to float32."""
+    from ondevice.models.weights import build_model
+
+    loaded = load_model(name)
+    weights = dequantized(loaded.model)
+    cfg = copy.deepcopy(loaded.config)
+    cfg.quantization = None
+    model = build_model(copy.deepcopy(cfg), weights, dtype="float32", source=str(loaded.path))
+    return Teacher(model, cfg, loaded.tokenizer, weights, loaded.path)
+
+
+def dequantized(model: Model) -> dict[str, mx.array]:
+    """Float32 copies of all of `model`'s weights, quantized layers expanded."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    quant = {
+        p: (m.group_size, m.bits)
+        for p, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
+    flat = dict(tree_flatten(model.parameters()))
+    out: dict[str, mx.array] = {}
+    for name, w in flat.items():
+        base, _, kind = name.rpartition(".")
+        if base in quant:
+            if kind != "weight":
+                continue  # scales and biases are folded into the expanded weight
+            group, bits = quant[base]
+            w = mx.dequantize(w, flat[f"{base}.scales"], flat[f"{base}.biases"], group, bits)
+        out[name] = w.astype(mx.float32)
+    mx.eval(out)
+    return out
+
+
+def topk_logprobs(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The k most likely ids (most likely first) and their log-probabilities, per row."""
+    logp = logits.astype(mx.float32)
+    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+    ids = mx.argpartition(-logp, k - 1, axis=-1)[..., :k]
+    vals = mx.take_along_axis(logp, ids, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+
+
+def score_sequences(
+    model: Model, seqs: list[np.ndarray], k: int, batch_tokens: int = 4096
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Teacher top-k (ids, logprobs) at every position of each sequence (teacher forcing).
+
+    Sequences of similar length are batched together (right-padded; causal attention means
+    padding never influences the real positions).
+    """
+    out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    i = 0
+    while i < len(order):
+        L = len(seqs[order[i]])
+        n = max(1, batch_tokens // max(L, 1))
+        group = order[i : i + n]
+        L = max(len(seqs[j]) for j in group)
+        x = np.zeros((len(group), L), np.int32)
+        for r, j in enumerate(group):
+            x[r, : len(seqs[j])] = seqs[j]
+        ids, lp = topk_logprobs(model(mx.array(x)), k)
+        mx.eval(ids, lp)
+        ids_np, lp_np = np.array(ids), np.array(lp)
+        for r, j in enumerate(group):
+            n_j = len(seqs[j])
+            out[j] = (ids_np[r, :n_j].astype(np.int32), lp_np[r, :n_j].astype(np.float16))
+        i += len(group)
+    return out  # type: ignore[return-value]

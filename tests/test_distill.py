@@ -1,0 +1,131 @@
+"""`ondevice distill` on a tiny verifier: data, training, resume, export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny import write_model
+
+from ondevice.distill import distill, draft_vocab_size, parse_layers
+from ondevice.distill.data import chat_turn_tokens, magpie_batch
+from ondevice.distill.teacher import load_teacher
+from ondevice.errors import OndeviceError
+
+SMALL = dict(
+    tokens=400,
+    gen_batch=8,
+    max_tokens=48,
+    seq_len=32,
+    batch_size=4,
+    eval_every=5,
+    checkpoint_every=5,
+    layers="0,3",
+    learning_rate=3e-3,
+    progress=False,
+)
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("verifier")
+    return write_model(path, layers=4, tie=True, scale=2.0)
+
+
+@pytest.fixture(scope="module")
+def trained(verifier, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("run") / "draft"
+    summary = distill(verifier, out, steps=20, vocab=80, **SMALL)
+    return out, summary
+
+
+def test_magpie_data_has_conversations_with_teacher_targets(verifier):
+    teacher = load_teacher(verifier)
+    prefix, suffix = chat_turn_tokens(teacher.tokenizer)
+    shard = magpie_batch(teacher.model, teacher.tokenizer, batch=4, k=5, max_tokens=40, seed=3)
+    assert len(shard.starts) > 0 and shard.n_targets > 0
+    ends = np.append(shard.starts[1:], len(shard.tokens))
+    for a, b in zip(shard.starts, ends):
+        conv = shard.tokens[a:b].tolist()
+        assert conv[: len(prefix)] == prefix
+        # the user turn is closed and the assistant's turn opened by the template's tokens
+        i = len(prefix)
+        while conv[i : i + len(suffix)] != suffix:
+            i += 1
+        assert len(conv) > i + len(suffix)
+    lp = shard.logp[shard.mask].astype(np.float32)
+    assert (lp <= 1e-3).all() and (np.diff(lp, axis=1) <= 1e-3).all()  # sorted log-probs
+
+
+def test_loss_decreases_and_agreement_improves(trained):
+    _, summary = trained
+    losses = summary["losses"]
+    assert summary["step"] == 20
+    assert np.mean(losses[-3:]) < np.mean(losses[:3])
+    assert summary["held_out_loss"] < summary["held_out_loss_start"]
+
+
+def test_output_loads_in_ondevice_and_mlx_lm(trained):
+    import mlx_lm
+
+    from ondevice.models import load_model
+
+    out, _ = trained
+    ours = load_model(out)
+    theirs, _ = mlx_lm.load(str(out))
+    x = mx.array([[3, 10, 11, 12, 13]])
+    assert ours.config.num_hidden_layers == 2
+    assert mx.allclose(ours.model(x), theirs(x), atol=1e-3).item()
+    assert draft_vocab_size(out) == 80
+    assert json.loads((out / "distill.json").read_text())["layers"] == [0, 3]
+
+
+def test_resume_continues_step_counter_and_optimizer(trained, verifier):
+    out, first = trained
+    work = out.with_name(out.name + ".work")
+    with pytest.raises(OndeviceError, match="--resume"):
+        distill(verifier, out, steps=20, vocab=80, **SMALL)  # would overwrite the checkpoint
+    with pytest.raises(OndeviceError, match="vocab"):
+        distill(verifier, out, steps=30, vocab=64, resume=True, **SMALL)
+    summary = distill(verifier, out, steps=30, vocab=80, resume=True, **SMALL)
+    assert summary["step"] == 30 and len(summary["losses"]) == 10
+    # Resumed from the trained weights, not from the initial slice of the verifier.
+    assert summary["losses"][0] < first["losses"][0] - 0.5
+    progress = json.loads((work / "checkpoint" / "progress.json").read_text())
+    assert progress["step"] == 30
+    opt = mx.load(str(work / "checkpoint" / "optimizer.safetensors"))
+    assert int(opt["step"].item()) == 30  # Adam's own counter went on from 20
+
+
+def test_text_data_and_errors(verifier, tmp_path):
+    data = tmp_path / "d.jsonl"
+    rows = [{"text": "the quick brown fox jumps over the lazy dog. " * 3}] * 6
+    rows.append({"turns": ["what is a fox?"]})
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    summary = distill(verifier, tmp_path / "draft", data_files=[str(data)], steps=3, **SMALL)
+    assert summary["data"] == "files" and summary["step"] == 3
+    assert draft_vocab_size(tmp_path / "draft") is None
+    with pytest.raises(OndeviceError, match="no checkpoint"):
+        distill(verifier, tmp_path / "other", resume=True, steps=3, **SMALL)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"title": 1}\n')
+    with pytest.raises(OndeviceError, match="bad.jsonl:1"):
+        distill(verifier, tmp_path / "d2", data_files=[str(bad)], steps=3, **SMALL)
+    assert not (tmp_path / "d2").exists()
+    with pytest.raises(OndeviceError, match="layers"):
+        parse_layers("two", 4)
+    with pytest.raises(OndeviceError, match="layer 9"):
+        distill(verifier, tmp_path / "d3", steps=3, **{**SMALL, "layers": "0,9"})
+
+
+def test_cli_registers_distill():
+    from ondevice.apps.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["distill", "--verifier", "v", "-o", "d", "--layers", "0,1,28,29", "--vocab", "16384"]
+    )
+    assert args.func.__module__ == "ondevice.apps.distill"
+    assert args.vocab == 16384 and args.layers == "0,1,28,29"
