@@ -129,3 +129,13 @@ def test_cli_registers_distill():
     )
     assert args.func.__module__ == "ondevice.apps.distill"
     assert args.vocab == 16384 and args.layers == "0,1,28,29"
+
+
+def test_agreement_simulates_greedy_speculative_rounds():
+    from ondevice.distill.evaluate import Agreement
+
+    a = Agreement(np.array([1, 1, 0, 1, 1, 1, 1, 0], bool))
+    # k=3: round 1 accepts 2 (+1 verifier token at position 2); round 2 accepts 3 at 3..5,
+    # the verifier's token is position 6; round 3 drafts at 7, rejected (+ verifier's token).
+    assert a.speculative(3) == (3, 7, 5)
+    assert a.rate == 0.75

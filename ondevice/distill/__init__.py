@@ -89,7 +89,7 @@ def make_data(
             batch=batch,
             k=k,
             max_tokens=max_tokens,
-            seed=seed * 100003 + i,
+            seed=1000 + seed * 100003 + i,
             on_token=lambda live: bar.set_postfix(live=live, refresh=False),
         )
         shard.save(data_dir / f"shard-{i:05d}.npz")

@@ -100,7 +100,7 @@ def magpie_batch(
     max_tokens: int = 320,
     max_user_tokens: int = 64,
     user_temperature: float = 1.0,
-    answer_temperature: float = 0.5,
+    answer_temperature: float = 0.4,
     stop_fraction: float = 0.8,
     seed: int = 0,
     on_token: Callable[[int], None] | None = None,
