@@ -8,12 +8,18 @@ the committed sequence. With no draft (or k = 0) a round is one plain decoding s
 Invariants at the start of a round, for the committed sequence `seq` (prompt + emitted tokens):
 the verifier's cache holds seq[:-1] (its last token is fed together with the drafts), and the
 draft's cache holds a prefix of seq (it catches up on the rest before proposing).
+
+Reproducibility: random numbers are keyed by (seed, position) (`noise.py`), the draft is always
+fed one token at a time after the prompt (so its distribution at a position is bitwise the same
+whichever decoder built its cache), and the block lengths depend only on tokens. The pipelined
+decoder (`runtime/pipeline.py`) shares `TokenChooser` and `DraftLength` with this one and so
+produces exactly its tokens for the same seed.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +27,12 @@ import numpy as np
 from ondevice.errors import ContextLengthError
 from ondevice.speculative import accept
 from ondevice.speculative.engine import Engine
-from ondevice.speculative.sampling import SamplingParams, probabilities, sample
+from ondevice.speculative.noise import RULES, PositionNoise
+from ondevice.speculative.sampling import SamplingParams, probabilities
+
+# A custom acceptance rule: rule(drafts, q, p, rng) -> (accepted, token), where rng is a
+# generator keyed by (seed, position of the first draft) (e.g. `accept.speculative`).
+CustomRule = Callable[[Sequence[int], np.ndarray, np.ndarray, np.random.Generator], tuple[int, int]]
 
 
 @dataclass
@@ -36,21 +47,127 @@ class Round:
 
 
 class DraftLength:
-    """Chooses k per round. Fixed when the user sets it; otherwise a schedule that depends only
-    on accepted counts (never on timing), so a seed always gives the same tokens."""
+    """How many tokens a block holds. Fixed when the user sets it. Otherwise a schedule that
+    depends only on tokens, never on timing, so a seed always gives the same tokens: k grows
+    after a fully accepted block and shrinks after a rejection, and a block also ends early
+    where the draft's confidence (its largest probability) falls below `threshold` or after a
+    drafted EOS."""
 
-    def __init__(self, fixed: int | None, start: int = 4, low: int = 2, high: int = 12):
+    def __init__(
+        self,
+        fixed: int | None,
+        start: int = 4,
+        low: int = 2,
+        high: int = 12,
+        threshold: float = 0.3,
+    ):
         self.fixed = fixed
         self.k = fixed if fixed is not None else start
         self.low, self.high = low, high
+        self.threshold = threshold
+
+    @property
+    def adaptive(self) -> bool:
+        return self.fixed is None
 
     def update(self, drafted: int, accepted: int) -> None:
+        # depends on `drafted` only through accepted == drafted, which is decided by positions
+        # up to the committed prefix; so later blocks never depend on noise of later positions
         if self.fixed is not None or drafted == 0:
             return
         if accepted == drafted:
             self.k = min(self.k + 1, self.high)
         else:
             self.k = max(self.k - 1, self.low)
+
+    def after_full_accept(self) -> int:
+        """k of the next block if the current one is fully accepted."""
+        return self.k if self.fixed is not None else min(self.k + 1, self.high)
+
+    def ends_before(self, i: int, confidence: float) -> bool:
+        """Whether a block with i drafts so far ends before drafting at a position whose draft
+        distribution has this confidence (never before the first draft)."""
+        return self.adaptive and i > 0 and confidence < self.threshold
+
+    def ends_after(self, token: int, eos: frozenset[int]) -> bool:
+        return self.adaptive and token in eos
+
+
+def block_length(
+    tokens: Sequence[int], confidence: Sequence[float], k: int, policy: DraftLength, eos
+) -> int | None:
+    """Length of the block drafted as `tokens` (with their distributions' confidences) under
+    `policy` with target k, or None when more drafts are needed to know it."""
+    for i in range(k):
+        if i >= len(tokens):
+            return None
+        if policy.ends_before(i, confidence[i]):
+            return i
+        if policy.ends_after(tokens[i], eos):
+            return i + 1
+    return k
+
+
+class TokenChooser:
+    """Turns logits into draft tokens and verification results, identically for every decoder."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        vocab: int,
+        seed: int | None,
+        rule: str | CustomRule | None = None,
+    ):
+        self.params = params
+        self.vocab = vocab
+        self.noise = PositionNoise(seed)
+        rule = rule or "leviathan"
+        if isinstance(rule, str):
+            if rule not in RULES:
+                raise ValueError(
+                    f"unknown sampling rule {rule!r}; choose one of {', '.join(RULES)}"
+                )
+            self.rule_name, self._keyed, self._custom = rule, RULES[rule], None
+        else:  # a custom rule (tests show a wrong one is caught)
+            self.rule_name, self._keyed, self._custom = "custom", None, rule
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        V = self.vocab
+        if logits.shape[-1] != V:  # draft vocabulary truncated (FR-Spec) or padded
+            if logits.shape[-1] > V:
+                logits = logits[..., :V]
+            else:
+                pad = np.full((*logits.shape[:-1], V - logits.shape[-1]), -np.inf, logits.dtype)
+                logits = np.concatenate([logits, pad], -1)
+        return probabilities(logits, self.params)
+
+    def draft(self, logits: np.ndarray, pos: int) -> tuple[int, np.ndarray | None]:
+        """The draft's token at position `pos` and the distribution it came from (sampling)."""
+        if self.params.greedy:
+            return int(np.argmax(logits[: self.vocab])), None
+        q = self.probs(logits)
+        return self.noise.race_sample(q, pos), q
+
+    def confidence(self, logits: np.ndarray, q: np.ndarray | None) -> float:
+        """The largest probability of the draft's distribution (greedy: softmax at T=1)."""
+        if q is not None:
+            return float(q.max())
+        z = np.asarray(logits[: self.vocab], np.float32)
+        return float(1.0 / np.exp(z - z.max()).sum())
+
+    def decide(
+        self, drafts: Sequence[int], q: np.ndarray | None, logits: np.ndarray, start: int
+    ) -> tuple[int, int]:
+        """(accepted count, next token) for `drafts` at positions start.. given the verifier's
+        logits for the last committed token plus the drafts."""
+        if self.params.greedy:
+            return accept.greedy(drafts, np.argmax(logits, -1))
+        p = self.probs(logits)
+        if self._custom is not None:
+            if not drafts:
+                return 0, self.noise.race_sample(p[0], start)
+            return self._custom(drafts, q, p, self.noise.rng(start))
+        return self._keyed(drafts, q, p, self.noise, start)
 
 
 @dataclass
@@ -62,7 +179,12 @@ class DecodeStats:
 
 
 class SpeculativeDecoder:
-    """Drives a verifier engine and an optional draft engine over one prompt."""
+    """Drives a verifier engine and an optional draft engine over one prompt.
+
+    rule: "leviathan" (default: Leviathan/Chen speculative sampling with position-keyed noise),
+    "coupled" (Gumbel coupling: the same tokens as plain sampling with the same seed), or a
+    custom callable `rule(drafts, q, p, rng)`.
+    """
 
     def __init__(
         self,
@@ -73,7 +195,7 @@ class SpeculativeDecoder:
         eos_token_ids: Sequence[int] = (),
         seed: int | None = None,
         num_draft_tokens: int | None = None,
-        rule=None,
+        rule: str | CustomRule | None = None,
     ) -> None:
         if num_draft_tokens is not None and num_draft_tokens < 0:
             raise ValueError("num_draft_tokens must be >= 0")
@@ -81,29 +203,18 @@ class SpeculativeDecoder:
         self.draft = draft
         self.params = params
         self.eos = frozenset(eos_token_ids)
-        self.rng = np.random.default_rng(seed)
+        self.chooser = TokenChooser(params, verifier.vocab_size, seed, rule)
         self.k = DraftLength(num_draft_tokens)
         self.stats = DecodeStats()
-        # the acceptance rule for sampling; replaceable so tests can show a wrong rule is caught
-        self.rule = rule or accept.speculative
         self.time_draft = 0.0
         self.time_verify = 0.0
         self.time_prefill = 0.0
         self._draft_valid = 0
+        self._t_start = self._t_end = 0.0
 
     @property
     def vocab(self) -> int:
         return self.verifier.vocab_size
-
-    def _probs(self, logits: np.ndarray) -> np.ndarray:
-        V = self.vocab
-        if logits.shape[-1] != V:  # draft vocabulary truncated (FR-Spec) or padded
-            if logits.shape[-1] > V:
-                logits = logits[..., :V]
-            else:
-                pad = np.full((*logits.shape[:-1], V - logits.shape[-1]), -np.inf, logits.dtype)
-                logits = np.concatenate([logits, pad], -1)
-        return probabilities(logits, self.params)
 
     def prefill(self, prompt: Sequence[int]) -> None:
         if not prompt:
@@ -126,40 +237,33 @@ class SpeculativeDecoder:
         self._draft_valid = len(prompt) - 1  # draft cache entries that match the sequence
 
     def propose(self, seq: list[int], k: int) -> tuple[list[int], np.ndarray | None]:
-        """k draft tokens after `seq` and the distributions they were drawn from (sampling)."""
+        """Up to k draft tokens after `seq` and the distributions they were drawn from."""
         draft = self.draft
         assert draft is not None
         t = time.perf_counter()
         valid = min(self._draft_valid, draft.length)
         draft.trim(draft.length - valid)
-        logits = draft.feed(seq[valid:], last_only=True)
+        for tok in seq[valid:]:  # one at a time: see the module docstring
+            logits = draft.feed([tok], last_only=True)
         drafts: list[int] = []
         qs = []
         for i in range(k):
-            if self.params.greedy:
-                x = int(np.argmax(logits[: self.vocab]))
-            else:
-                q = self._probs(logits)
-                x = sample(q, self.rng)
-                qs.append(q)
+            x, q = self.chooser.draft(logits, len(seq) + i)
+            if self.k.adaptive and self.k.ends_before(i, self.chooser.confidence(logits, q)):
+                break
             drafts.append(x)
-            if i < k - 1:
-                logits = draft.feed([x], last_only=True)
+            qs.append(q)
+            if i == k - 1 or self.k.ends_after(x, self.eos):
+                break
+            logits = draft.feed([x], last_only=True)
         self.time_draft += time.perf_counter() - t
-        return drafts, (np.stack(qs) if qs else None)
+        return drafts, (None if self.params.greedy else np.stack(qs))
 
     def verify(self, seq: list[int], drafts: list[int], q: np.ndarray | None) -> tuple[int, int]:
         """Score seq[-1] + drafts in one pass; return (accepted count, next token)."""
         t = time.perf_counter()
         logits = self.verifier.feed([seq[-1], *drafts])
-        if self.params.greedy:
-            n, tok = accept.greedy(drafts, np.argmax(logits, -1))
-        else:
-            p = self._probs(logits)
-            if drafts:
-                n, tok = self.rule(drafts, q, p, self.rng)
-            else:
-                n, tok = 0, sample(p[0], self.rng)
+        n, tok = self.chooser.decide(drafts, q, logits, len(seq))
         self.verifier.trim(len(drafts) - n)
         self.time_verify += time.perf_counter() - t
         return n, tok
@@ -167,6 +271,7 @@ class SpeculativeDecoder:
     def run(self, prompt: Sequence[int], max_tokens: int) -> Iterator[Round]:
         seq = list(prompt)
         self.prefill(seq)
+        self._t_start = time.perf_counter()
         produced = 0
         limit = self.verifier.context_length
         while produced < max_tokens:
@@ -198,6 +303,19 @@ class SpeculativeDecoder:
                 finish = "length"
             seq.extend(out)
             produced += len(out)
+            self._t_end = time.perf_counter()
             yield Round(out, flags, len(drafts), n, finish)
             if finish:
                 return
+
+    def extra_stats(self) -> dict:
+        """Scheduling stats in the pipelined decoder's terms (nothing overlaps here)."""
+        wall = max(self._t_end - self._t_start, 0.0)
+        return {
+            "pipelined": False,
+            "sampling_rule": self.chooser.rule_name,
+            "overlap": 0.0,
+            "draft_idle_s": max(wall - self.time_draft, 0.0),
+            "verify_idle_s": max(wall - self.time_verify, 0.0),
+            "wasted_drafts": 0,
+        }

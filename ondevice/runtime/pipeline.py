@@ -1,0 +1,418 @@
+"""The pipelined speculative decoder: the drafter works while the verifier checks a block.
+
+While the verifier scores block r, the drafter keeps going as if block r will be fully accepted:
+it drafts its own guess of the bonus token and then block r + 1 after it (PEARL's post-verify,
+AMUSD's continuous drafting). When the result arrives and the whole block was accepted with the
+bonus token equal to the guess, block r + 1 is already drafted; otherwise the pre-drafted tokens
+are discarded, the draft's cache is rolled back to the verified prefix and drafting continues
+from the verifier's token.
+
+How the two engines run at once, with a single Python thread driving both:
+
+- The verifier (MLX) pass is built on the thread's default stream and submitted with
+  `mx.async_eval`; MLX runs it on that stream's own worker thread. A small helper thread waits
+  for it (`mx.eval` releases the GIL) and flags when it is done, because MLX has no way to ask
+  "is this array ready?" without blocking.
+- The drafter runs on the calling thread: an MLX draft on a second stream (each MLX stream has
+  its own worker, so on the CPU backend the two passes run on two cores at once), the reference
+  executor in numpy, or Core ML (whose `predict` holds the GIL but not the GPU).
+- A verifier that is not MLX runs its passes in one worker thread instead.
+
+Exactness: the decisions come from the same `TokenChooser` as the sequential decoder (greedy,
+or sampling with noise keyed by (seed, position)), the draft is fed one token at a time as there,
+and block lengths follow the same token-only `DraftLength` schedule whenever they can change
+the output. So with a seed the tokens equal the sequential decoder's, however the two engines'
+timings interleave. Only under greedy decoding, where the block length cannot change the output,
+does the schedule use the clock: the block length then maximises the expected tokens per second
+of the cost model, and a block may be cut short when the verifier is ready for it.
+
+Cancellation: closing the generator waits for the verifier pass in flight and stops the helper
+thread, so nothing keeps running after `close()`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ondevice.errors import ContextLengthError
+from ondevice.runtime.costmodel import CostModel
+from ondevice.speculative.decoder import (
+    CustomRule,
+    DecodeStats,
+    DraftLength,
+    Round,
+    TokenChooser,
+    block_length,
+)
+from ondevice.speculative.engine import Engine
+from ondevice.speculative.sampling import SamplingParams
+
+# -- running the verifier in the background ---------------------------------------------------
+
+
+class _Pending:
+    """One verifier pass in flight."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.t_submit = time.perf_counter()
+        self.t_done = 0.0
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+        self._value = None
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def result(self) -> np.ndarray:
+        self.event.wait()
+        if self.error is not None:
+            raise self.error
+        return np.asarray(self._value)
+
+
+class _MLXVerifier:
+    """Submits MLX verifier passes asynchronously; a helper thread waits for each to finish."""
+
+    def __init__(self, engine) -> None:
+        import mlx.core as mx
+
+        self._mx = mx
+        self.engine = engine
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._wait_loop, name="ondevice-verify-wait")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def submit(self, tokens: Sequence[int]) -> _Pending:
+        mx = self._mx
+        pending = _Pending(len(tokens))
+        # the same operations as MLXEngine.feed, so the logits are bitwise the same
+        logits = self.engine.forward(tokens).astype(mx.float32)
+        mx.async_eval(logits)
+        pending._value = logits
+        self._queue.put(pending)
+        return pending
+
+    def _wait_loop(self) -> None:
+        while (pending := self._queue.get()) is not None:
+            try:
+                self._mx.eval(pending._value)
+            except BaseException as e:  # handed to the scheduler by result()
+                pending.error = e
+            pending.t_done = time.perf_counter()
+            pending.event.set()
+
+    def close(self) -> None:
+        """Wait for work in flight and stop the helper thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+
+class _ThreadVerifier:
+    """Any other engine: its passes run in one worker thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ondevice-verify")
+
+    def submit(self, tokens: Sequence[int]) -> _Pending:
+        pending = _Pending(len(tokens))
+        toks = list(tokens)
+
+        def run() -> None:
+            try:
+                pending._value = self.engine.feed(toks)
+            except BaseException as e:
+                pending.error = e
+            pending.t_done = time.perf_counter()
+            pending.event.set()
+
+        self._pool.submit(run)
+        return pending
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _is_mlx(engine) -> bool:
+    return hasattr(engine, "forward") and hasattr(engine, "cache")
+
+
+_draft_stream = None
+_draft_stream_lock = threading.Lock()
+
+
+def _mlx_draft_stream():
+    """A stream for MLX drafts, one per thread (MLX streams belong to the thread that made
+    them), on the default device, so draft and verifier passes run side by side."""
+    global _draft_stream
+    import mlx.core as mx
+
+    with _draft_stream_lock:
+        if _draft_stream is None:
+            _draft_stream = mx.new_thread_local_stream(mx.default_device())
+    return mx.stream(_draft_stream)
+
+
+class _NoStream:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+# -- busy-time bookkeeping ----------------------------------------------------------------------
+
+
+def _busy(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Total length of the overlap of two sorted lists of disjoint intervals."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        lo = max(xs[i][0], ys[j][0])
+        hi = min(xs[i][1], ys[j][1])
+        if hi > lo:
+            total += hi - lo
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+# -- the decoder ------------------------------------------------------------------------------
+
+
+class PipelinedDecoder:
+    """Same interface as `SpeculativeDecoder` (run, stats, time_*), plus `extra_stats()`."""
+
+    def __init__(
+        self,
+        verifier: Engine,
+        draft: Engine,
+        params: SamplingParams,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+        num_draft_tokens: int | None = None,
+        rule: str | CustomRule | None = None,
+        k_max: int = 12,
+    ) -> None:
+        if draft is None:
+            raise ValueError("the pipelined decoder needs a draft engine")
+        if num_draft_tokens is not None and num_draft_tokens < 0:
+            raise ValueError("num_draft_tokens must be >= 0")
+        self.verifier = verifier
+        self.draft = draft
+        self.params = params
+        self.eos = frozenset(eos_token_ids)
+        self.chooser = TokenChooser(params, verifier.vocab_size, seed, rule)
+        self.k = DraftLength(num_draft_tokens, high=k_max)
+        # the clock may choose block lengths only where they cannot change the output
+        self.timed = params.greedy and num_draft_tokens is None
+        self.k_max = k_max
+        self.cost = CostModel()
+        self.stats = DecodeStats()
+        self.time_draft = 0.0
+        self.time_verify = 0.0
+        self.time_prefill = 0.0
+        self.wasted_drafts = 0
+        self.prefetch_hits = 0  # blocks that were fully drafted before the verifier asked
+        self.in_flight: _Pending | None = None  # the verifier pass now running, if any
+        self._draft_busy: list[tuple[float, float]] = []
+        self._verify_busy: list[tuple[float, float]] = []
+        self._t_start = self._t_end = 0.0
+        self._k_used: list[int] = []
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def _prefill(self, prompt: Sequence[int]) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        limit = self.verifier.context_length
+        if len(prompt) >= limit:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt)} tokens but the model's context is {limit} tokens; "
+                "shorten the prompt."
+            )
+        t = time.perf_counter()
+        self.verifier.reset()
+        self.draft.reset()
+        if len(prompt) > 1:
+            self.verifier.feed(prompt[:-1], last_only=True)
+            with self._stream():
+                self.draft.feed(prompt[:-1], last_only=True)
+        self.time_prefill += time.perf_counter() - t
+
+    # -- drafting -------------------------------------------------------------------------------
+
+    def _draft_step(self) -> None:
+        """Draft one more token at the end of the chain (after catching up on what the draft's
+        cache lacks, one token at a time)."""
+        seq, chain = self._seq, self._chain
+        pos = len(seq) + len(chain)
+        t0 = time.perf_counter()
+        draft = self.draft
+        logits = None
+        with self._stream():
+            while draft.length < pos:
+                i = draft.length
+                tok = seq[i] if i < len(seq) else chain[i - len(seq)]
+                logits = draft.feed([tok], last_only=True)
+        assert logits is not None, "the draft's cache ran ahead of the sequence"
+        x, q = self.chooser.draft(logits, pos)
+        conf = self.chooser.confidence(logits, q) if self.k.adaptive else 1.0
+        chain.append(x)
+        self._chain_q.append(q)
+        self._chain_conf.append(conf)
+        t1 = time.perf_counter()
+        self._draft_busy.append((t0, t1))
+        self.time_draft += t1 - t0
+        self.cost.observe_draft(t1 - t0)
+
+    def _block_len(self, offset: int, k: int) -> int | None:
+        """Length of the block that starts at chain[offset] (None: needs more drafts)."""
+        return block_length(self._chain[offset:], self._chain_conf[offset:], k, self.k, self.eos)
+
+    def _target_k(self, room: int) -> int:
+        if self.timed:
+            return self.cost.best_k(True, min(self.k_max, room), self.k.k)
+        return min(self.k.k, room)
+
+    def _next_target_k(self, room: int) -> int:
+        """k of the block after a fully accepted one (what the drafter prepares meanwhile)."""
+        if self.timed:
+            return self.cost.best_k(True, min(self.k_max, room), self.k.k)
+        return min(self.k.after_full_accept(), room)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self, prompt: Sequence[int], max_tokens: int) -> Iterator[Round]:
+        self._stream = _mlx_draft_stream if _is_mlx(self.draft) else _NoStream
+        self._prefill(prompt)
+        submitter = (
+            _MLXVerifier(self.verifier)
+            if _is_mlx(self.verifier)
+            else _ThreadVerifier(self.verifier)
+        )
+        try:
+            yield from self._loop(list(prompt), max_tokens, submitter)
+        finally:
+            submitter.close()  # waits for any pass in flight: nothing runs after this
+            if self.in_flight is not None and self.in_flight.done():
+                self.in_flight = None
+            self.wasted_drafts += len(self._chain)
+            self._chain = []
+
+    def _loop(self, seq: list[int], max_tokens: int, submitter) -> Iterator[Round]:
+        self._seq = seq
+        self._chain: list[int] = []
+        self._chain_q: list[np.ndarray | None] = []
+        self._chain_conf: list[float] = []
+        self._t_start = self._t_end = time.perf_counter()
+        produced = 0
+        limit = self.verifier.context_length
+        fresh = True  # no pre-drafted block is waiting
+        while produced < max_tokens:
+            room = min(max_tokens - produced, limit - len(seq))
+            if room <= 0:
+                yield Round([], [], 0, 0, "length")
+                return
+            draft_room = self.draft.context_length - len(seq) - 1
+            kmax = max(0, min(room - 1, draft_room))
+            # 1. the block: pre-drafted tokens at the front of the chain, or draft them now
+            k = self._target_k(kmax)
+            if self.timed and not fresh:
+                # the verifier is ready: take what is drafted (at least one token)
+                k = min(k, max(1, len(self._chain)))
+            K = self._block_len(0, k)
+            while K is None:
+                self._draft_step()
+                K = self._block_len(0, k)
+            block = self._chain[:K]
+            q = None if self.params.greedy or not K else np.stack(self._chain_q[:K])
+            # 2. submit the verifier pass
+            t_host = time.perf_counter()
+            pending = self.in_flight = submitter.submit([seq[-1], *block])
+            host = time.perf_counter() - t_host
+            # 3. while it runs, draft the guess of the bonus token and the next block
+            k_next = self._next_target_k(max(0, kmax - K - 1))
+            limit_chain = min(room, self.draft.context_length - 1 - len(seq))
+            while not pending.done() and len(self._chain) < limit_chain:
+                if len(self._chain) > K and self._block_len(K + 1, k_next) is not None:
+                    break  # the next block is complete
+                self._draft_step()
+            logits = pending.result()
+            self.in_flight = None
+            self._verify_busy.append((pending.t_submit, pending.t_done))
+            self.time_verify += pending.t_done - pending.t_submit
+            self.cost.observe_verify(pending.length, pending.t_done - pending.t_submit)
+            # 4. decide, exactly as the sequential decoder does
+            t_host = time.perf_counter()
+            n, tok = self.chooser.decide(block, q, logits, len(seq))
+            self.verifier.trim(K - n)
+            hit = n == K and len(self._chain) > K and self._chain[K] == tok
+            if hit:
+                self.prefetch_hits += 1
+                del self._chain[: K + 1], self._chain_q[: K + 1], self._chain_conf[: K + 1]
+            else:
+                self.wasted_drafts += max(0, len(self._chain) - K)
+                self._chain, self._chain_q, self._chain_conf = [], [], []
+                keep = len(seq) + n  # the draft's cache stays valid up to the accepted drafts
+                self.draft.trim(max(0, self.draft.length - keep))
+            fresh = not hit
+            self.stats.rounds += 1
+            self.stats.drafted += K
+            self.stats.accepted += n
+            self.k.update(K, n)
+            self.cost.observe_block(K, n)
+            self._k_used.append(K)
+            out = [*block[:n], tok]
+            flags = [True] * n + [False]
+            finish = None
+            for i, x in enumerate(out):
+                if x in self.eos:
+                    out, flags, finish = out[:i], flags[:i], "stop"
+                    break
+            if finish is None and len(out) >= room:
+                out, flags = out[:room], flags[:room]
+                finish = "length"
+            seq.extend(out)
+            produced += len(out)
+            self.cost.observe_host(host + time.perf_counter() - t_host)
+            self._t_end = time.perf_counter()
+            yield Round(out, flags, K, n, finish)
+            if finish:
+                return
+
+    # -- stats ----------------------------------------------------------------------------------
+
+    def extra_stats(self) -> dict:
+        """overlap: fraction of the decoding wall time with both engines busy; *_idle_s: wall
+        time each engine was not working; wasted_drafts: pre-drafted tokens thrown away
+        unverified; predicted_tokens_per_second: the cost model's rate for the mean block."""
+        wall = max(self._t_end - self._t_start, 1e-12)
+        both = _intersection(self._draft_busy, self._verify_busy)
+        k_mean = float(np.mean(self._k_used)) if self._k_used else 0.0
+        return {
+            "pipelined": True,
+            "sampling_rule": self.chooser.rule_name,
+            "overlap": both / wall,
+            "draft_idle_s": max(wall - _busy(self._draft_busy), 0.0),
+            "verify_idle_s": max(wall - _busy(self._verify_busy), 0.0),
+            "wasted_drafts": self.wasted_drafts,
+            "prefetch_hits": self.prefetch_hits,
+            "mean_draft_length": k_mean,
+        }
