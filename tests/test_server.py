@@ -3,6 +3,7 @@ with the official `openai` client (and httpx for raw HTTP and error cases)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -23,7 +24,7 @@ import uvicorn
 
 import ondevice
 from ondevice.apps.serve import warm_up
-from ondevice.apps.server import OpenAIServer
+from ondevice.apps.server import Metrics, ModelSlot, OpenAIServer
 
 CONTEXT = 2048
 LONG = 1500  # max_tokens of generations that must still be running when we interfere
@@ -405,6 +406,25 @@ def test_disconnect_cancels_generation(server, gen, model_id, stream):
         model=model_id, messages=MESSAGES, max_tokens=30, temperature=0
     )
     assert again.choices[0].message.content == ref
+
+
+def test_slot_bookkeeping_survives_early_cancellation(gen):
+    """A request that leaves before its generation task first runs must leave the queue."""
+
+    async def scenario() -> None:
+        slot = ModelSlot(gen, max_queue=1, metrics=Metrics())
+        options = {"max_tokens": 5, "temperature": 0.0}
+        run = slot.start(MESSAGES, options)
+        assert slot.waiting == 1
+        run.cancel()  # before the task's first step
+        await asyncio.gather(run.task, return_exceptions=True)
+        assert slot.waiting == 0 and not slot.busy
+        waiting = slot.start(MESSAGES, options)  # a full line would raise 429 here
+        chunks = [c async for batch in waiting.batches() for c in batch]
+        assert chunks[-1].stats["generation_tokens"] == 5
+        assert slot.waiting == 0 and not slot.busy
+
+    asyncio.run(scenario())
 
 
 def _free_port() -> int:

@@ -180,6 +180,7 @@ class ChatController:
         draft: str | os.PathLike | None = None,
         draft_backend: str = "auto",
         dtype: str | None = None,
+        quantize: int | None = None,
         wait: bool = False,
     ) -> bool:
         """Load (or switch to) a model in the background. A running answer is stopped first;
@@ -191,18 +192,21 @@ class ChatController:
                 return False
             self._gen, self.model_name = None, None
             gc.collect()  # give the old model's memory back before the new one arrives
-            self._start(ChatState.LOADING, lambda: self._load(model, draft, draft_backend, dtype))
+            options = {"draft": draft, "draft_backend": draft_backend, "dtype": dtype}
+            if quantize is not None:
+                options["quantize"] = quantize
+            self._start(ChatState.LOADING, lambda: self._load(model, options))
         if wait:
             self.wait()
         return True
 
-    def _load(self, model: Any, draft: Any, draft_backend: str, dtype: str | None) -> None:
+    def _load(self, model: Any, options: dict[str, Any]) -> None:
         loader = self._loader
         if loader is None:
             import ondevice
 
             loader = ondevice.load
-        gen = loader(model, draft=draft, draft_backend=draft_backend, dtype=dtype)
+        gen = loader(model, **options)
         from ondevice.apps.serve import warm_up
 
         warm_up(gen)
@@ -489,7 +493,13 @@ def run(args: argparse.Namespace) -> int:
         if event.kind == "error":
             print(f"warning: {event.text}", file=sys.stderr)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    ctrl.load(args.model, draft=args.draft, draft_backend=args.draft_backend, dtype=args.dtype)
+    ctrl.load(
+        args.model,
+        draft=args.draft,
+        draft_backend=args.draft_backend,
+        dtype=args.dtype,
+        quantize=args.quantize,
+    )
     ctrl.wait()
     if ctrl.model_name is None:
         raise OndeviceError(ctrl.error or "the model could not be loaded.")

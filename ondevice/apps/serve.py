@@ -15,7 +15,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--model/--verifier, --draft, --draft-backend, --dtype: what `ondevice.load` takes."""
+    """--model/--verifier, --draft, --draft-backend, --dtype, --quantize: `ondevice.load`'s."""
     p.add_argument(
         "--model",
         "--verifier",
@@ -31,6 +31,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="where the draft runs (default: auto)",
     )
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="weights dtype")
+    p.add_argument("--quantize", type=int, choices=(4, 8), help="quantize the verifier on load")
 
 
 def load_generator(args: argparse.Namespace) -> Generator:
@@ -42,7 +43,11 @@ def load_generator(args: argparse.Namespace) -> Generator:
             "or a model name (see `ondevice pull`)."
         )
     return ondevice.load(
-        args.model, draft=args.draft, draft_backend=args.draft_backend, dtype=args.dtype
+        args.model,
+        draft=args.draft,
+        draft_backend=args.draft_backend,
+        dtype=args.dtype,
+        quantize=args.quantize,
     )
 
 
