@@ -287,9 +287,16 @@ def load(
     draft_backend: str = "auto",
     dtype: str | None = None,
     quantize: int | None = None,
+    dequantize: bool | None = None,
 ) -> Generator:
     """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
-    draft. A pair bundle brings its own draft (Core ML and MLX)."""
+    draft. A pair bundle brings its own draft (Core ML and MLX).
+
+    dequantize: expand quantized weights to float32 on load. Default: only where MLX runs on
+    the CPU (Linux), because there its quantized matmul costs grow with every token of a
+    verification block while a float32 GEMM (OpenBLAS) verifies 8 tokens for little more than
+    one (measured in docs/benchmarks.md). On Apple GPUs quantized weights stay quantized.
+    """
     if draft_backend not in DRAFT_BACKENDS:
         raise OndeviceError(
             f"unknown draft backend {draft_backend!r}; choose one of {', '.join(DRAFT_BACKENDS)}."
@@ -298,20 +305,23 @@ def load(
         raise OndeviceError(f"unknown dtype {dtype!r}; choose float32, float16 or bfloat16.")
     from ondevice.models.hub import resolve
 
+    if dequantize is None:
+        dequantize = quantize is None and mx.default_device() == mx.cpu
+    opts = {"dtype": dtype, "dequantize": dequantize}
     path = resolve(verifier)
     pair: _Pair
     from ondevice.models.bundle import is_bundle, open_bundle
 
     if is_bundle(path):
         b = open_bundle(path)
-        v = load_model(b.verifier_dir, dtype=dtype, quantize=quantize)
-        d = load_model(b.draft_mlx_dir, dtype=dtype) if b.draft_mlx_dir else None
+        v = load_model(b.verifier_dir, quantize=quantize, **opts)
+        d = load_model(b.draft_mlx_dir, **opts) if b.draft_mlx_dir else None
         pair = _Pair(v, d, b.mlpackage, b.context_length, {"name": path.name})
     else:
-        v = load_model(path, dtype=dtype, quantize=quantize)
+        v = load_model(path, quantize=quantize, **opts)
         pair = _Pair(v)
     if draft is not None:
-        pair.draft = load_model(draft, dtype=dtype)
+        pair.draft = load_model(draft, **opts)
         pair.mlpackage = None
     if pair.draft is not None:
         check_pair(pair.verifier.tokenizer, pair.draft.tokenizer, pair.draft.config.vocab_size)

@@ -158,3 +158,15 @@ def test_generate_streams_text_and_reports_errors(tmp_path):
     assert "tok/s" in r.stderr
     bad = _cli("generate", "--verifier", str(tmp_path / "nope"), "--prompt", "x", check=False)
     assert bad.returncode == 1 and "error:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_dequantize_on_load_matches_quantized(tmp_path):
+    import mlx.nn as nn
+
+    path, _ = tiny.write_gguf(tmp_path / "m.gguf", quant="Q4_1")
+    q = load_model(path, dtype="float32")
+    f = load_model(path, dequantize=True)
+    layer = f.model.model.layers[0].mlp.up_proj
+    assert type(layer) is nn.Linear and layer.weight.dtype == mx.float32
+    toks = [5, 70, 80, 90]
+    np.testing.assert_allclose(_logits(q.model, toks), _logits(f.model, toks), atol=1e-3)

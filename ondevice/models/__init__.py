@@ -35,8 +35,12 @@ def load_model(
     *,
     dtype: str | None = None,
     quantize: int | None = None,
+    dequantize: bool = False,
 ) -> LoadedModel:
-    """Load a model from a local HF folder, a GGUF file, a cached name or a hub id."""
+    """Load a model from a local HF folder, a GGUF file, a cached name or a hub id.
+
+    dequantize: expand quantized weights (GGUF Q4/Q8, MLX-quantized folders) to float32.
+    """
     from ondevice.models.weights import build_model, read_safetensors_dir
 
     path = resolve(name)
@@ -46,7 +50,9 @@ def load_model(
         from ondevice.models.gguf import load_gguf
 
         cfg, weights, tok = load_gguf(path)
-        model = build_model(cfg, weights, dtype=dtype, quantize=quantize, source=str(path))
+        model = build_model(
+            cfg, weights, dtype=dtype, quantize=quantize, dequantize=dequantize, source=str(path)
+        )
         return LoadedModel(model, cfg, tok, path)
     if not (path / "config.json").exists():
         raise ModelFormatError(
@@ -56,7 +62,9 @@ def load_model(
     cfg = ModelConfig.from_file(path / "config.json")
     _check_extra_fields(path / "config.json", cfg)
     weights = read_safetensors_dir(path)
-    model = build_model(cfg, weights, dtype=dtype, quantize=quantize, source=str(path))
+    model = build_model(
+            cfg, weights, dtype=dtype, quantize=quantize, dequantize=dequantize, source=str(path)
+        )
     tok = Tokenizer.from_dir(path, eos_token_ids=cfg.eos_token_id)
     return LoadedModel(model, cfg, tok, path)
 

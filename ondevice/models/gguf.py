@@ -333,17 +333,20 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, mx.array], Token
     return cfg, weights, tokenizer
 
 
-def dequantize_all(
-    weights: dict[str, mx.array], quant: dict[str, Any] | None
-) -> dict[str, np.ndarray]:
-    """Float32 numpy copies of all weights (quantized ones expanded), for converters."""
+def dequantize_all(weights: dict[str, mx.array], quant: dict[str, Any] | None) -> dict[str, np.ndarray]:
+    """Float32 numpy copies of all weights (quantized ones expanded), for converters.
+
+    `quant` is a config's `quantization` entry: defaults (`group_size`, `bits`) and/or per-layer
+    overrides keyed by layer path. A layer is quantized when its `.scales` tensor is present."""
+    quant = quant or {}
     out: dict[str, np.ndarray] = {}
     for name, w in weights.items():
         base, _, kind = name.rpartition(".")
-        if kind in ("scales", "biases") and quant and base in quant:
+        quantized = f"{base}.scales" in weights
+        if quantized and kind in ("scales", "biases"):
             continue
-        if quant and base in quant and kind == "weight":
-            q = quant[base]
+        if quantized and kind == "weight":
+            q = quant.get(base) or quant
             w = mx.dequantize(
                 w, weights[f"{base}.scales"], weights[f"{base}.biases"], q["group_size"], q["bits"]
             )

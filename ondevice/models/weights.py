@@ -71,10 +71,20 @@ def build_model(
     *,
     dtype: str | None = None,
     quantize: int | None = None,
+    dequantize: bool = False,
     source: str = "weights",
 ) -> Model:
-    """A model with `weights` loaded, checked tensor by tensor against the config."""
+    """A model with `weights` loaded, checked tensor by tensor against the config.
+
+    dequantize: expand quantized layers to float (float32 unless `dtype` says otherwise).
+    """
     weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    if dequantize and cfg.quantization:
+        from ondevice.models.gguf import dequantize_all
+
+        weights = {k: mx.array(v) for k, v in dequantize_all(weights, cfg.quantization).items()}
+        cfg.quantization = None
+        dtype = dtype or "float32"
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     model = Model(cfg)
