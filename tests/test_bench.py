@@ -87,9 +87,6 @@ def test_bench_writes_json_and_png(pair, prompts, tmp_path, capsys):
         assert s["mean_accepted_length"] == pytest.approx(
             (s["accepted"] + s["rounds"]) / s["rounds"]
         )
-    weights = m["verifier"]["param_bytes"] + m["draft"]["param_bytes"]
-    assert chain["all"]["memory_bytes"] >= weights
-    assert r["aggregates"]["plain"]["all"]["memory_bytes"] < weights
     assert r["aggregates"]["plain"]["all"]["speedup"] == pytest.approx(1.0)
     assert r["aggregates"]["plain"]["all"]["acceptance_rate"] is None
 
@@ -99,6 +96,10 @@ def test_bench_writes_json_and_png(pair, prompts, tmp_path, capsys):
         assert x["generation_tokens"] == len(x["tokens"]) > 0
         assert x["tokens_per_second"] == pytest.approx(x["decode_tokens"] / x["decode_s"])
         assert x["speedup"] > 0
+        # memory: the weights the method uses plus what the run allocated on top
+        used = m["verifier"]["param_bytes"] + (m["draft"]["param_bytes"] if x["drafted"] else 0)
+        assert x["memory_bytes"] == used + x["working_memory_bytes"]
+        assert x["working_memory_bytes"] > 0
     # the decode rate starts after the first verifier pass: one token for plain decoding
     assert all(x["decode_tokens"] == x["generation_tokens"] - 1 for x in recs[::2])
     # greedy speculative decoding is lossless: the canary stays quiet

@@ -9,6 +9,7 @@ from that pass to the last token, which leaves the prompt's prefill out;
 
 from __future__ import annotations
 
+import gc
 import inspect
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -129,6 +130,12 @@ class Bench:
             steps = self._peer_steps(method, ids, max_tokens, k, stats)
         else:
             steps = self._ondevice_steps(method, ids, max_tokens, stats)
+        # Free the previous run's KV caches first, or they would count in the baseline and hide
+        # part of this run's working memory.
+        self.gen.verifier.reset()
+        if self.gen.draft is not None:
+            self.gen.draft.reset()
+        gc.collect()
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         tokens, flags, t_first, t0 = _consume(steps)
