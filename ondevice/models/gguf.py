@@ -347,8 +347,9 @@ def dequantize_all(weights: dict[str, mx.array], quant: dict[str, Any] | None) -
             continue
         if quantized and kind == "weight":
             q = quant.get(base) or quant
-            w = mx.dequantize(
-                w, weights[f"{base}.scales"], weights[f"{base}.biases"], q["group_size"], q["bits"]
-            )
+            # float32 scales: dequantizing in float16 would round every weight (~1e-3 relative)
+            scales = weights[f"{base}.scales"].astype(mx.float32)
+            biases = weights[f"{base}.biases"].astype(mx.float32)
+            w = mx.dequantize(w, scales, biases, q["group_size"], q["bits"])
         out[name] = np.array(w.astype(mx.float32))
     return out
