@@ -193,10 +193,20 @@ def test_context_limit_is_enforced(llama):
 # -- architectures and KV modes --------------------------------------------------------------------
 
 
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
 @pytest.mark.parametrize(
     "arch,tie,kv,extra",
     [
-        ("llama", True, "io", {"rope_traditional": True}),  # GGUF-style interleaved RoPE
+        # GGUF-style interleaved RoPE, with llama3 frequency scaling
+        ("llama", True, "io", {"rope_traditional": True, "rope_scaling": LLAMA3_SCALING}),
         ("qwen2", True, "io", {}),  # q/k/v biases
         ("qwen2", False, "state", {}),
         ("qwen3", True, "state", {"heads": 2, "kv_heads": 1}),  # q/k norms, head_dim 32, no pad
@@ -269,7 +279,7 @@ def test_compressed_drafts_run_in_reference(tmp, uncompressed, compress, op, min
 
 
 def test_one_copy_of_the_weights_for_both_functions(uncompressed):
-    """save_multifunction shares weights: the package is not twice the weights' size."""
+    """Both functions read one copy of the weights: the package is not twice their size."""
     loaded, pkg, desc = uncompressed
     n_params = sum(v.size for _, v in tree_flatten(loaded.model.parameters()))
     assert desc["size_bytes"] < 2.6 * n_params  # float16 is 2 bytes a weight; two copies: 4
@@ -362,7 +372,7 @@ def test_bad_weights_and_options_are_rejected(tmp, llama):
 
 
 def test_failure_during_conversion_leaves_nothing(tmp, llama, monkeypatch):
-    import coremltools.models.utils as ct_utils
+    import coremltools as ct
 
     loaded, _, _ = llama
     parent = tmp / "bad3"
@@ -371,7 +381,7 @@ def test_failure_during_conversion_leaves_nothing(tmp, llama, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(ct_utils, "save_multifunction", broken)
+    monkeypatch.setattr(ct.models.MLModel, "save", broken)  # fails after the package exists
     with pytest.raises(OndeviceError, match="disk full"):
         convert_draft(loaded.config, numpy_weights(loaded.model), out)
     assert not out.exists() and _leftovers(parent) == []

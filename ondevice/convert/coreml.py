@@ -17,7 +17,9 @@ Neural Engine rules followed, and where they come from:
 
 * Fixed shapes everywhere (ANE compiles static shapes only; both ml-ane-transformers and ANEMLL
   export one fixed-shape model per sequence length). Prefill and decode are two functions of one
-  multifunction package (`coremltools.utils.save_multifunction`), so weights are stored once.
+  multifunction program (iOS 18 / macOS 15); identical constants of the two functions get one
+  `weight_id`, so the package stores every weight once, as `coremltools.utils.save_multifunction`
+  would, without its save/reload/compare round trip (5x faster here).
 * Hidden states in the (batch, channels, 1, sequence) "BC1S" layout and every projection a 1x1
   `conv` (ml-ane-transformers, principle 1 "picking the right data format"; ANEMLL uses Conv2d
   for q/k/v/MLP and the LM head).
@@ -46,17 +48,19 @@ Neural Engine rules followed, and where they come from:
 * The attention scale is folded into the query projection (or the qwen3 query norm), saving a
   multiply per layer; grouped-query attention is a reshape of the queries, not a repeat of K/V.
 
-Weight compression uses `coremltools.optimize.coreml` on each function before merging:
-palettize4/palettize6 (k-means lookup tables per group of output channels, the granularity
-Apple recommends for LLM weights since iOS 18) and int8 (per-channel symmetric linear
-quantization). Only the projection, LM-head and embedding matrices are compressed; RoPE and mask
-tables and norm weights stay float16. Groups are sized so each k-means problem has at least
-10,000 weights: coremltools then uses the exact, deterministic 1-D k-means of `kmeans1d`, so
-both functions get identical tables and `save_multifunction` stores them once.
+Weight compression runs coremltools.optimize.coreml's graph passes (`palettize_weights` with an
+`OpPalettizerConfig`, `linear_quantize_weights` with an `OpLinearQuantizerConfig`) in the
+conversion pipeline: palettize4/palettize6 (k-means lookup tables per group of output channels,
+the granularity Apple recommends for LLM weights since iOS 18) and int8 (per-channel symmetric
+linear quantization). Only the projection, LM-head and embedding matrices are compressed; RoPE
+and mask tables and norm weights stay float16. Groups are sized so each k-means problem has at
+least 10,000 weights: coremltools then uses its exact, deterministic 1-D k-means (kmeans1d), so
+both functions get identical tables and share them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -79,6 +83,7 @@ MASK_VALUE = -1e4  # additive mask; as in ml-ane-transformers, finite so fp16 ne
 COMPRESSIONS = ("none", "palettize4", "palettize6", "int8")
 KV_MODES = ("state", "io")
 KMEANS1D_MIN_WEIGHTS = 10_000  # coremltools uses kmeans1d (exact, fast) from this size on
+MAX_PALETTES = 16  # lookup tables per matrix: k-means time grows with their number
 MIN_DEPLOYMENT = "macOS15"  # states and multifunction packages need macOS 15 / iOS 18
 
 
@@ -243,8 +248,20 @@ def _mask_table(rows: int, groups: int, state_len: int) -> np.ndarray:
 # -- graph ---------------------------------------------------------------------------------------
 
 
-def _build_program(config: ModelConfig, w: dict[str, np.ndarray], dims: _Dims, L: int, kv: str):
-    """One MIL program (function `main`) for sequence length L."""
+def _build_function(
+    config: ModelConfig,
+    w: dict[str, np.ndarray],
+    dims: _Dims,
+    L: int,
+    kv: str,
+    compressed: dict[str, tuple[str, dict[str, Any]]] | None = None,
+):
+    """The MIL function for sequence length L.
+
+    `compressed` maps weight const names to the constexpr op (type and constant inputs) that
+    replaces them, as computed once by `_compress_weights`.
+    """
+    compressed = compressed or {}
     import coremltools as ct
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import types
@@ -274,11 +291,18 @@ def _build_program(config: ModelConfig, w: dict[str, np.ndarray], dims: _Dims, L
         )
         return mb.split(x=normed, split_sizes=[n, n], axis=axis)[0]
 
+    def weight(key: str):
+        name = _cname(key)
+        if name in compressed:
+            op_type, inputs = compressed[name]
+            return getattr(mb, op_type)(**inputs, name=name)
+        return mb.const(val=w[key], name=name)
+
     def conv(x, weight_key: str, bias_key: str | None = None):
         kwargs: dict[str, Any] = {}
         if bias_key is not None:
             kwargs["bias"] = mb.const(val=w[bias_key], name=_cname(bias_key))
-        return mb.conv(x=x, weight=mb.const(val=w[weight_key], name=_cname(weight_key)), **kwargs)
+        return mb.conv(x=x, weight=weight(weight_key), **kwargs)
 
     def heads_last(x, n: int):
         """(1, n*hd, 1, L) -> (1, n, L, hd)."""
@@ -318,7 +342,7 @@ def _build_program(config: ModelConfig, w: dict[str, np.ndarray], dims: _Dims, L
             k_chain, v_chain = key_cache, value_cache
         new_keys, new_values = [], []
 
-        emb = mb.gather(x=mb.const(val=w["embed"], name="embed_tokens"), indices=input_ids, axis=0)
+        emb = mb.gather(x=weight("embed"), indices=input_ids, axis=0)
         x = mb.expand_dims(x=mb.transpose(x=emb, perm=i32([0, 2, 1])), axes=[2])  # (1, D, 1, L)
 
         for i in range(NL):
@@ -384,15 +408,15 @@ def _build_program(config: ModelConfig, w: dict[str, np.ndarray], dims: _Dims, L
             outputs.append(mb.concat(values=new_values, axis=0, name="new_values"))
         return tuple(outputs)
 
-    @mb.program(input_specs=specs, opset_version=ct.target.iOS18)
-    def prog(input_ids, position, key_cache, value_cache):
+    @mb.function(input_specs=specs, opset_version=ct.target.iOS18)
+    def function(input_ids, position, key_cache, value_cache):
         return body(input_ids, position, key_cache, value_cache)
 
-    return prog
+    return function
 
 
 # The graph above is already float16 and fused the way we want it, so instead of coremltools'
-# 95-pass default pipeline (which re-validates the whole program after each pass and dominates
+# 95-pass default pipeline (which re-validates the whole program after each pass and dominated
 # conversion time) we run only the passes that change something here: int16 gather indices and
 # their negative-index guard (Core ML's own choice for embedding lookups), the canonical order of
 # state updates that Core ML expects, and clean-up.
@@ -419,6 +443,30 @@ def _pass_pipeline():
     return pipeline
 
 
+def _share_constants(prog) -> None:
+    """Give identical constants of different functions one `weight_id`: stored once on export.
+
+    This is what `coremltools.utils.save_multifunction` does after reloading saved functions
+    (comparing every pair of weights with `allclose`); keying by content hash is the same
+    result in a fraction of the time. Small constants (lookup tables) are shared too: Apple's
+    pass notes that leaving them unshared can unshare the palettized indices after compilation.
+    """
+    groups: dict[tuple, list] = {}
+    for fname, func in prog.functions.items():
+        for op in func.operations:
+            if op.op_type != "const":
+                continue
+            val = op.outputs[0].val
+            if not isinstance(val, np.ndarray) or val.size == 0:
+                continue
+            digest = hashlib.blake2b(np.ascontiguousarray(val).data, digest_size=16).hexdigest()
+            groups.setdefault((val.dtype.str, val.shape, digest), []).append((fname, op))
+    for i, members in enumerate(groups.values()):
+        if len({fname for fname, _ in members}) > 1:
+            for _, op in members:
+                op.weight_id = f"shared_{i}"
+
+
 def _cname(key: str) -> str:
     """Const names: stable, readable, and usable as keys of the compression config."""
     return "w_" + key.replace(".", "_")
@@ -427,33 +475,37 @@ def _cname(key: str) -> str:
 # -- compression ---------------------------------------------------------------------------------
 
 
+def _compressible(w: dict[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
+    """Const name -> shape of the matrices we compress: embedding, projections, LM head."""
+    keys = ["embed"] + [
+        k
+        for k in w
+        if k.startswith("lm_head_")
+        or (k.startswith("l") and k.split(".")[-1] in ("q", "k", "v", "o", "gate", "up", "down"))
+    ]
+    return {_cname(k): w[k].shape for k in keys}
+
+
 def _compression_config(compress: str, w: dict[str, np.ndarray]):
     """Per-weight coremltools OptimizationConfig, or None for compress="none"."""
     import coremltools.optimize.coreml as cto
 
     if compress == "none":
         return None
-    names: dict[str, tuple[int, ...]] = {"embed_tokens": w["embed"].shape}
-    for key, val in w.items():
-        if key.startswith("lm_head_") or (
-            key.startswith("l") and key.split(".")[-1] in ("q", "k", "v", "o", "gate", "up", "down")
-        ):
-            names[_cname(key)] = val.shape
     configs = {}
-    for name, shape in names.items():
+    for name, shape in _compressible(w).items():
         out_ch, per_channel = shape[0], int(np.prod(shape[1:]))
         if compress == "int8":
             configs[name] = cto.OpLinearQuantizerConfig(
                 mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=1
             )
             continue
-        nbits = 4 if compress == "palettize4" else 6
         group = _palette_group(out_ch, per_channel)
         if group is None:
             continue  # too small for the exact k-means; stays float16 (tiny models only)
         configs[name] = cto.OpPalettizerConfig(
             mode="kmeans",
-            nbits=nbits,
+            nbits=4 if compress == "palettize4" else 6,
             granularity="per_grouped_channel",
             group_size=group,
             channel_axis=0,
@@ -463,10 +515,12 @@ def _compression_config(compress: str, w: dict[str, np.ndarray]):
 
 
 def _palette_group(out_channels: int, per_channel: int) -> int | None:
-    """Smallest channel group (16, 32, ... dividing out_channels) with >= 10k weights, if any."""
+    """Channels per lookup table: a power of two >= 16 dividing out_channels, with at most
+    MAX_PALETTES tables per matrix and at least 10k weights per table (else None)."""
     g = 16
     while g <= out_channels:
-        if out_channels % g == 0 and g * per_channel >= KMEANS1D_MIN_WEIGHTS:
+        enough = g * per_channel >= KMEANS1D_MIN_WEIGHTS and out_channels // g <= MAX_PALETTES
+        if out_channels % g == 0 and enough:
             return g
         g *= 2
     if out_channels * per_channel >= KMEANS1D_MIN_WEIGHTS:
@@ -474,15 +528,42 @@ def _palette_group(out_channels: int, per_channel: int) -> int | None:
     return None
 
 
-def _compress(mlmodel, compress: str, w: dict[str, np.ndarray]):
-    import coremltools.optimize.coreml as cto
+def _compress_weights(
+    config: ModelConfig, w: dict[str, np.ndarray], dims: _Dims, kv: str, compress: str
+) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Compress every compressible weight once, with coremltools' own compression pass.
 
-    config = _compression_config(compress, w)
-    if config is None:
-        return mlmodel
-    if compress == "int8":
-        return cto.linear_quantize_weights(mlmodel, config)
-    return cto.palettize_weights(mlmodel, config)
+    The pass runs on the decode function alone; the constexpr ops it creates (lookup table and
+    indices, or int8 data and scales) are then rebuilt verbatim in both functions, so k-means
+    runs once per weight and the two functions hold identical, shareable constants.
+    """
+    import coremltools as ct
+    from coremltools.converters.mil.mil import Program
+
+    name = "compression::" + (
+        "linear_quantize_weights" if compress == "int8" else "palettize_weights"
+    )
+    pipeline = ct.PassPipeline.EMPTY
+    pipeline.append_pass(name)
+    pipeline.set_options(name, {"config": _compression_config(compress, w)})
+    prog = Program()
+    prog.add_function("main", _build_function(config, w, dims, 1, kv))
+    prog = ct.convert(
+        prog,
+        convert_to="milinternal",
+        minimum_deployment_target=ct.target.macOS15,
+        pass_pipeline=pipeline,
+    )
+    names = sorted(_compressible(w), key=len, reverse=True)
+    recipes: dict[str, tuple[str, dict[str, Any]]] = {}
+    for op in prog.functions["main"].operations:
+        if not op.op_type.startswith("constexpr_"):
+            continue
+        original = next((n for n in names if op.name.startswith(n + "_")), None)
+        if original is None or not all(v.val is not None for v in op.inputs.values()):
+            continue  # only rebuild ops made from our named weights with constant inputs
+        recipes[original] = (op.op_type, {k: v.val for k, v in op.inputs.items()})
+    return recipes
 
 
 # -- the package ---------------------------------------------------------------------------------
@@ -557,7 +638,7 @@ def convert_draft(
     metadata under "ondevice.draft", where the draft engines read it.
     """
     import coremltools as ct
-    from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
+    from coremltools.converters.mil.mil import Program
 
     say = progress or (lambda _msg: None)
     out = Path(out)
@@ -595,39 +676,40 @@ def convert_draft(
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".draft-", dir=out.parent))
     try:
-        desc = MultiFunctionDescriptor()
+        compressed = None
+        if compress != "none":
+            say(f"compressing weights ({compress}; k-means takes a while for palettization)")
+            compressed = _compress_weights(config, w, dims, kv, compress)
+        prog = Program()
         for name, L in (("decode", 1), ("chunk", chunk)):
             say(f"building function {name} ({L} token{'s' if L > 1 else ''})")
-            prog = _build_program(config, w, dims, L, kv)
-            mlmodel = ct.convert(
-                prog,
-                convert_to="mlprogram",
-                minimum_deployment_target=ct.target.macOS15,
-                compute_precision=ct.precision.FLOAT16,
-                pass_pipeline=_pass_pipeline(),
-                skip_model_load=True,
-            )
-            if compress != "none":
-                say(f"compressing function {name} ({compress})")
-                mlmodel = _compress(mlmodel, compress, w)
-            path = work / f"{name}.mlpackage"
-            mlmodel.save(str(path))
-            del mlmodel, prog
-            desc.add_function(str(path), src_function_name="main", target_function_name=name)
-        desc.default_function_name = "decode"
-        say("merging functions (weights shared)")
-        merged = work / "merged.mlpackage"
-        save_multifunction(desc, str(merged))
-
-        say("writing metadata")
-        model = ct.models.MLModel(str(merged), skip_model_load=True)
+            prog.add_function(name, _build_function(config, w, dims, L, kv, compressed))
+        prog.default_function_name = "decode"
+        prog.export_as_multifunction = True
+        say("optimizing")
+        prog = ct.convert(
+            prog,
+            convert_to="milinternal",
+            minimum_deployment_target=ct.target.macOS15,
+            compute_precision=ct.precision.FLOAT16,
+            pass_pipeline=_pass_pipeline(),
+        )
+        _share_constants(prog)
+        say("writing the package (weights shared by both functions)")
+        model = ct.convert(
+            prog,
+            convert_to="mlprogram",
+            minimum_deployment_target=ct.target.macOS15,
+            pass_pipeline=ct.PassPipeline.EMPTY,
+            skip_model_load=True,
+        )
         model.author = "ondevice"
         model.short_description = (
             f"{config.model_type} draft for speculative decoding: decode (1 token) and chunk "
             f"({chunk} tokens) functions, context {context}, KV cache as {kv}."
         )
         model.user_defined_metadata[METADATA_KEY] = json.dumps(description)
-        final = work / "final.mlpackage"
+        final = work / "draft.mlpackage"
         model.save(str(final))
         final.rename(out)
     except OndeviceError:

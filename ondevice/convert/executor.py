@@ -44,19 +44,28 @@ _SHARE_MIN_BYTES = 1 << 16  # constants at least this large are deduplicated acr
 
 
 class ReferenceState:
-    """The state buffers of one model instance (the numpy counterpart of `MLState`)."""
+    """The state buffers of one model instance (the numpy counterpart of `MLState`).
+
+    float16 states are held in float32 arrays whose values are all float16 numbers (every write
+    is a float16 value), so reads into float32 products need no per-call conversion; the
+    `read_state`/`write_state` accessors speak the declared dtype.
+    """
 
     def __init__(self, specs: dict[str, tuple[tuple[int, ...], np.dtype]]):
-        self.buffers = {name: np.zeros(shape, dtype) for name, (shape, dtype) in specs.items()}
+        self.dtypes = {name: dtype for name, (_, dtype) in specs.items()}
+        self.buffers = {
+            name: np.zeros(shape, F32 if dtype == F16 else dtype)
+            for name, (shape, dtype) in specs.items()
+        }
 
     def read_state(self, name: str) -> np.ndarray:
-        return self.buffers[name].copy()
+        return self.buffers[name].astype(self.dtypes[name])
 
     def write_state(self, name: str, value: np.ndarray) -> None:
         buf = self.buffers[name]
         if value.shape != buf.shape:
             raise OndeviceError(f"state {name!r} has shape {buf.shape}, got {value.shape}.")
-        np.copyto(buf, value, casting="unsafe")
+        np.copyto(buf, np.asarray(value).astype(self.dtypes[name]), casting="unsafe")
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -93,6 +102,7 @@ class _SharedConstants:
     def __init__(self) -> None:
         self._arrays: dict[tuple, np.ndarray] = {}
         self._f32: dict[tuple, np.ndarray] = {}
+        self._dense: dict[tuple, tuple] = {}
 
     @staticmethod
     def _key(a: np.ndarray) -> tuple:
@@ -103,6 +113,27 @@ class _SharedConstants:
         if not isinstance(a, np.ndarray) or a.nbytes < _SHARE_MIN_BYTES:
             return a
         return self._arrays.setdefault(self._key(a), a)
+
+    def decompressed(self, op, unsupported: Callable[..., Exception]) -> tuple:
+        """The dense weights of a `constexpr_*` op, computed once per distinct input."""
+        if any(v.val is None for v in op.inputs.values()):
+            key: tuple = ("op", id(op))  # fed by another constexpr op: no content key
+        else:
+            key = (
+                op.op_type,
+                tuple(
+                    (k, self._key(v.val) if isinstance(v.val, np.ndarray) else repr(v.val))
+                    for k, v in sorted(op.inputs.items())
+                ),
+            )
+        if key not in self._dense:
+            try:
+                vals = op.materialized_val_inference()
+            except Exception as e:
+                raise unsupported(op.op_type, f"cannot decompress ({e})") from None
+            vals = vals if isinstance(vals, tuple) else (vals,)
+            self._dense[key] = tuple(self.array(np.asarray(v)) for v in vals)
+        return self._dense[key]
 
     def f32(self, a: np.ndarray, transform: Callable[[np.ndarray], np.ndarray], tag: str):
         if a.nbytes < _SHARE_MIN_BYTES:
@@ -230,7 +261,7 @@ def _conv(c: dict, op, shared: _SharedConstants) -> Callable:
         xf = x.reshape(n, cin, -1).astype(F32)
         # 2-D products per batch item: numpy hands those to BLAS (a broadcast 3-D matmul it
         # does not, and runs ~100x slower).
-        out = np.stack([w2 @ xf[i] for i in range(n)])
+        out = (w2 @ xf[0])[None] if n == 1 else np.stack([w2 @ xf[i] for i in range(n)])
         if b is not None:
             out += b
         return out.astype(F16).reshape(n, w2.shape[0], *x.shape[2:])
@@ -260,7 +291,7 @@ def _matmul(c: dict, op, shared: _SharedConstants) -> Callable:
     ty = bool(c.pop("transpose_y", False))
 
     def prep(a: np.ndarray, t: bool) -> np.ndarray:
-        a = np.asarray(a).astype(F32)
+        a = np.asarray(a).astype(F32, copy=False)
         return np.swapaxes(a, -1, -2) if t and a.ndim > 1 else a
 
     cx = None if "x" not in c else shared.f32(c.pop("x"), lambda a: prep(a, tx), f"mmx{tx}")
@@ -382,8 +413,14 @@ def _slice_by_index(c: dict, op) -> Callable:
                 idx.append(int(begin[i]))
             else:
                 idx.append(slice(b, e, s))
-        return np.array(x[tuple(idx)])  # a copy: inputs may be state buffers written in place
+        out = np.array(x[tuple(idx)])  # a copy: inputs may be state buffers written in place
+        return out if keep_f32 else _f16(out)
 
+    # A slice of a (float32-held) float16 state that only feeds products stays float32: its
+    # values are float16 numbers either way, and the product would convert it anyway.
+    keep_f32 = all(
+        child.op_type in ("matmul", "conv", "linear") for child in op.outputs[0].child_ops
+    )
     return partial(run, **c)
 
 
@@ -573,8 +610,6 @@ _STATE_OPS = ("read_state", "coreml_update_state", "slice_update")
 # in place while the result is still to be read).
 _VIEW_OPS = {"reshape", "transpose", "expand_dims", "squeeze", "identity", "split", "select"}
 
-SUPPORTED_OPS = frozenset(_FACTORIES) | frozenset(_WEIGHT_FACTORIES) | frozenset(_STATE_OPS)
-
 
 class _Unsupported(Exception):
     def __init__(self, op_type: str, detail: str):
@@ -678,13 +713,9 @@ class ReferenceModel:
                 consts[op.outputs[0].name] = shared.array(_const_value(op.outputs[0].val))
                 continue
             if op.op_type.startswith("constexpr_"):
-                try:
-                    vals = op.materialized_val_inference()
-                except Exception as e:
-                    raise self._unsupported(op.op_type, f"cannot decompress ({e})") from None
-                vals = vals if isinstance(vals, tuple) else (vals,)
+                vals = shared.decompressed(op, self._unsupported)
                 for var, val in zip(op.outputs, vals):
-                    consts[var.name] = shared.array(np.asarray(val))
+                    consts[var.name] = val
                 continue
 
             static: dict[str, Any] = {}
@@ -727,7 +758,11 @@ class ReferenceModel:
         self._steps = steps
         self.output_names = [v.name for v in func.outputs]
         self._outputs = [
-            (v.name, ("c", consts[v.name]) if v.name in consts else ("s", slots[v.name]))
+            (
+                v.name,
+                ("c", consts[v.name]) if v.name in consts else ("s", slots[v.name]),
+                np.dtype(types.nptype_from_builtin(v.dtype)),
+            )
             for v in func.outputs
         ]
         self._state_slots = [(name, slots[name]) for name in self.state_specs]
@@ -820,7 +855,8 @@ class ReferenceModel:
                 for slot, val in zip(outs, result):
                     env[slot] = val
         return {
-            name: np.array(val if kind == "c" else env[val]) for name, (kind, val) in self._outputs
+            name: np.asarray(val if kind == "c" else env[val]).astype(dtype)  # always a copy
+            for name, (kind, val), dtype in self._outputs
         }
 
 
