@@ -11,7 +11,7 @@ import pytest
 from tiny import write_model
 
 from ondevice.distill import distill, draft_vocab_size, parse_layers
-from ondevice.distill.data import chat_turn_tokens, magpie_batch
+from ondevice.distill.data import answers_only, chat_turn_tokens, magpie_batch
 from ondevice.distill.teacher import load_teacher
 from ondevice.errors import OndeviceError
 
@@ -56,6 +56,9 @@ def test_magpie_data_has_conversations_with_teacher_targets(verifier):
         while conv[i : i + len(suffix)] != suffix:
             i += 1
         assert len(conv) > i + len(suffix)
+        # only the answer is learnt: the first target is the one predicting the answer
+        learn = np.flatnonzero(answers_only(shard, suffix).mask[a:b])
+        assert learn[0] == i + len(suffix) - 1
     lp = shard.logp[shard.mask].astype(np.float32)
     assert (lp <= 1e-3).all() and (np.diff(lp, axis=1) <= 1e-3).all()  # sorted log-probs
 

@@ -15,7 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from ondevice.distill.data import Shard, list_shards, magpie_batch, read_texts, score_texts
+from ondevice.distill.data import (
+    Shard,
+    answers_only,
+    chat_turn_tokens,
+    list_shards,
+    magpie_batch,
+    read_texts,
+    score_texts,
+)
 from ondevice.distill.export import DRAFT_VOCAB_FIELD, draft_vocab_size, export_draft
 from ondevice.distill.teacher import Teacher, load_teacher
 from ondevice.distill.train import TrainConfig, checkpoint_config, default_layers, train
@@ -99,7 +107,7 @@ def make_data(
     bar.close()
     if not shards:
         raise OndeviceError("no training data: pass --tokens > 0 or --data FILES.")
-    return Shard.concat(shards)
+    return answers_only(Shard.concat(shards), chat_turn_tokens(teacher.tokenizer)[1])
 
 
 def split_held_out(data: Shard, every: int = HELD_OUT_EVERY) -> tuple[Shard, Shard]:

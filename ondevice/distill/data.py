@@ -257,3 +257,20 @@ def score_texts(
 
 def list_shards(folder: Path) -> list[Path]:
     return sorted(folder.glob("shard-*.npz"))
+
+
+def answers_only(shard: Shard, suffix: list[int]) -> Shard:
+    """Learn only where the assistant answers: the draft never has to guess user turns, and
+    those (sampled hot, high-entropy) positions would take capacity from the answers."""
+    mask = shard.mask.copy()
+    ends = np.append(shard.starts[1:], len(shard.tokens))
+    n = len(suffix)
+    for a, b in zip(shard.starts, ends):
+        conv = shard.tokens[a:b]
+        first = b  # no assistant turn found: nothing to learn from this conversation
+        for i in range(len(conv) - n + 1):
+            if conv[i] == suffix[0] and conv[i : i + n].tolist() == suffix:
+                first = a + i + n - 1  # this position predicts the answer's first token
+                break
+        mask[a:first] = False
+    return Shard(shard.tokens, shard.ids, shard.logp, mask, shard.starts)

@@ -155,7 +155,18 @@ def distill_loss(
 class Batches:
     """Rows of `seq_len` packed tokens with the teacher's targets, in a seeded order per epoch."""
 
-    def __init__(self, data: Shard, seq_len: int, batch_size: int, seed: int) -> None:
+    def __init__(
+        self, data: Shard, seq_len: int, batch_size: int, seed: int, pad: bool = False
+    ) -> None:
+        if pad and len(data.tokens) % seq_len:  # keep the tail (held-out data): pad the last row
+            n = seq_len - len(data.tokens) % seq_len
+            data = Shard(
+                np.concatenate([data.tokens, np.zeros(n, np.int32)]),
+                np.concatenate([data.ids, np.zeros((n, data.ids.shape[1]), np.int32)]),
+                np.concatenate([data.logp, np.zeros((n, data.logp.shape[1]), data.logp.dtype)]),
+                np.concatenate([data.mask, np.zeros(n, bool)]),
+                np.append(data.starts, len(data.tokens)),
+            )
         n_rows = len(data.tokens) // seq_len
         if n_rows < batch_size:
             raise OndeviceError(
@@ -250,8 +261,9 @@ def schedule(cfg: TrainConfig, step: int, elapsed: float) -> float:
 def evaluate(model: Model, held: Batches, vocab: int | None) -> tuple[float, float]:
     """Loss and greedy agreement with the teacher on held-out rows (the acceptance estimate)."""
     tot_l = tot_a = tot_n = 0.0
-    for i in range(0, held.n_rows, held.batch_size):
-        x, attn, ids, logp, w = held.rows(np.arange(i, min(i + held.batch_size, held.n_rows)))
+    step = 8
+    for i in range(0, held.n_rows, step):
+        x, attn, ids, logp, w = held.rows(np.arange(i, min(i + step, held.n_rows)))
         loss, agree = distill_loss(model, x, attn, ids, logp, w, vocab)
         n = float(w.sum())
         tot_l += float(loss) * n
@@ -281,9 +293,7 @@ def train(
     mx.random.seed(cfg.seed)
     model = build_student(teacher, cfg)
     batches = Batches(train_data, cfg.seq_len, cfg.batch_size, cfg.seed)
-    held = Batches(
-        held_data, cfg.seq_len, min(cfg.batch_size, max(1, len(held_data.tokens) // cfg.seq_len)), 0
-    )
+    held = Batches(held_data, cfg.seq_len, 1, 0, pad=True)
     opt = optim.AdamW(learning_rate=cfg.learning_rate, weight_decay=0.0)
     opt.init(model.trainable_parameters())
     ckpt = work / CHECKPOINT
@@ -305,7 +315,15 @@ def train(
         summary["held_out_loss_start"], summary["acceptance_estimate_start"] = evaluate(
             model, held, cfg.vocab
         )
-    bar = tqdm(total=cfg.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
+    # With a time budget the bar runs over seconds, so its ETA is the budget's end.
+    timed = bool(cfg.minutes)
+    bar = tqdm(
+        total=int(cfg.minutes * 60) if timed else cfg.steps,
+        initial=int(elapsed) if timed else step,
+        disable=not progress,
+        unit="s" if timed else "step",
+        dynamic_ncols=True,
+    )
     ema = None
     start = time.time() - elapsed
     acc = summary.get("acceptance_estimate_start")
@@ -325,11 +343,11 @@ def train(
         mx.eval(loss, agree, state)
         step += 1
         ema = float(loss) if ema is None else 0.9 * ema + 0.1 * float(loss)
-        bar.update(1)
+        bar.update(min(int(time.time() - start), bar.total) - bar.n if timed else 1)
         if step % cfg.eval_every == 0 or done():
             summary["held_out_loss"], acc = evaluate(model, held, cfg.vocab)
             summary["acceptance_estimate"] = acc
-        post = {"loss": f"{ema:.3f}", "train_agree": f"{float(agree):.2f}"}
+        post = {"step": step, "loss": f"{ema:.3f}", "train_agree": f"{float(agree):.2f}"}
         if acc is not None:
             post["accept_est"] = f"{acc:.2f}"
         bar.set_postfix(post, refresh=False)
