@@ -258,6 +258,7 @@ def test_compressed_drafts_run_in_reference(tmp, uncompressed, compress, op, min
     assert desc["size_bytes"] < 0.7 * plain_desc["size_bytes"]
     ops = lint.list_ops(pkg)
     assert ops["decode"][op] > 0 and ops["chunk"][op] == ops["decode"][op]
+    assert [f for f in lint.check_mlpackage(pkg) if f.severity == "error"] == []
 
     rng = np.random.default_rng(5)
     prompt = list(rng.integers(0, 256, 16))
@@ -283,6 +284,31 @@ def test_one_copy_of_the_weights_for_both_functions(uncompressed):
     loaded, pkg, desc = uncompressed
     n_params = sum(v.size for _, v in tree_flatten(loaded.model.parameters()))
     assert desc["size_bytes"] < 2.6 * n_params  # float16 is 2 bytes a weight; two copies: 4
+
+
+def test_large_vocabulary_is_split_and_lints_clean(tmp):
+    """A vocabulary above 16384: LM head in pieces, compressed embedding only a lint warning."""
+    from tiny import make_config, random_weights
+
+    from ondevice.models.config import ModelConfig
+    from ondevice.models.weights import build_model
+
+    raw = make_config(vocab_size=20000, tie=True)
+    cfg = ModelConfig.from_dict(raw)
+    weights = random_weights(raw, seed=2)
+    pkg = tmp / "bigvocab.mlpackage"
+    desc = convert_draft(cfg, weights, pkg, context=64, chunk=4, compress="int8")
+    assert desc["vocab_splits"] == [10000, 10000] and desc["logits"] == ["logits_0", "logits_1"]
+    findings = lint.check_mlpackage(pkg)
+    assert [f for f in findings if f.severity == "error"] == []
+    assert any("embedding table (20000, 64)" in f.message for f in findings)
+
+    model = build_model(cfg, {k: mx.array(v) for k, v in weights.items()})
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, 20000, 12)]
+    got = ReferenceDraftEngine(pkg).feed(tokens)
+    ref = np.array(model(mx.array([tokens]))[0].astype(mx.float32))
+    assert got.shape == ref.shape == (12, 20000)
+    assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.9  # int8 weights
 
 
 # -- lint ------------------------------------------------------------------------------------------

@@ -103,10 +103,13 @@ def _is_const_op(op) -> bool:
 
 
 def _embedding_table(var) -> bool:
-    """True for a constant read only as the table of `gather` ops."""
+    """True for a constant read only as the table of `gather` ops, directly or through the
+    `constexpr_*` ops that decompress it (then the compressed parts count as the table too)."""
     children = list(var.child_ops)
     return bool(children) and all(
-        c.op_type == "gather" and c.inputs.get("x") is var for c in children
+        (c.op_type == "gather" and c.inputs.get("x") is var)
+        or (c.op_type.startswith("constexpr_") and all(_embedding_table(o) for o in c.outputs))
+        for c in children
     )
 
 
@@ -142,6 +145,8 @@ def check_mlpackage(path: str | Path) -> list[Finding]:
                 big = [d for d in shape if d > MAX_DIM]
                 if big:
                     if const and _embedding_table(var):
+                        if not any(c.op_type == "gather" for c in var.child_ops):
+                            continue  # a compressed part of the table: reported with the table
                         findings.append(
                             Finding(
                                 "warning",
