@@ -32,13 +32,13 @@ CONTEXT = 2048
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_model(path: Path, seed: int = 0) -> Path:
+def write_model(path: Path, seed: int = 0, context: int = CONTEXT) -> Path:
     """A tiny model whose EOS logit is always 0: greedy answers run to max_tokens, so the
     tests decide when an answer ends."""
-    cfg = tiny.make_config(max_position_embeddings=CONTEXT)
+    cfg = tiny.make_config(max_position_embeddings=context)
     weights = tiny.random_weights(cfg, seed=seed, scale=2.0)
     weights["lm_head.weight"][tiny.EOS_ID] = 0.0
-    return tiny.write_model(path, weights=weights, max_position_embeddings=CONTEXT)
+    return tiny.write_model(path, weights=weights, max_position_embeddings=context)
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +137,9 @@ def test_stop_mid_stream_keeps_the_partial_answer(models, reference):
     assert 0 < done.stats["generation_tokens"] < 1500
     partial = ctrl.messages[-1]
     assert partial["role"] == "assistant" and partial["content"] == ctrl.answer
-    full = reference.generate(ctrl.messages[:1], max_tokens=1500).text
-    assert full.startswith(ctrl.answer) and len(ctrl.answer) < len(full)
+    n = done.stats["generation_tokens"]
+    longer = reference.generate(ctrl.messages[:1], max_tokens=n + 10).text
+    assert longer.startswith(ctrl.answer) and len(ctrl.answer) < len(longer)
     # The model is free again.
     ctrl.settings.max_tokens = 8
     assert ctrl.send("ok")
@@ -240,18 +241,29 @@ def test_errors_become_state_not_exceptions(models, tmp_path):
     ctrl.stop(wait=True)
 
 
-def test_long_conversations_drop_the_oldest_turns(models, reference):
-    ctrl = loaded(models, greedy(8))
+def test_long_conversations_drop_the_oldest_turns(tmp_path):
+    context = 256
+    model = write_model(tmp_path / "short", context=context)
+    ctrl = ChatController(settings=greedy(8))
+    ctrl.load(model, wait=True)
     turns = []
-    for i in range(4):  # ~2400 characters: more than the context
-        turns += [{"role": "user", "content": f"{i} " + "a" * 300}]
-        turns += [{"role": "assistant", "content": "b" * 300}]
+    for i in range(4):  # ~400 characters: more than the context
+        turns += [{"role": "user", "content": f"{i} " + "a" * 50}]
+        turns += [{"role": "assistant", "content": "b" * 50}]
     ctrl.messages = list(turns)
     ctrl.send("and now?")
     ctrl.wait()
     assert ctrl.error is None and len(ctrl.messages) == len(turns) + 2
-    kept = ctrl.messages[-(2 * 3 + 1) - 1 : -1]  # what fits: the last three exchanges
-    assert reference.count_tokens(kept) < CONTEXT
+    reference = ondevice.load(model)
+    assert reference.count_tokens(ctrl.messages[:-1]) > context
+    # Sent: the longest run of whole exchanges before the question that leaves room for the
+    # answer (8 tokens here).
+    sent = ctrl.messages[:-1]
+    start = next(
+        i for i in range(0, len(sent), 2) if reference.count_tokens(sent[i:]) + 8 <= context
+    )
+    assert start > 0
+    kept = sent[start:]
     assert ctrl.answer == reference.generate(kept, max_tokens=8).text
 
 
