@@ -448,6 +448,7 @@ HELP = """commands:
   /reset         forget the conversation
   /stats         statistics of the last answer
   /system TEXT   set the system prompt (/system alone shows it)
+  /help          this list
   /quit          leave (or Ctrl-D)
 Ctrl-C stops an answer without leaving the chat."""
 
@@ -458,7 +459,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "chat",
         help="chat with a model in the terminal",
-        description="Chat with a model in the terminal. " + HELP.replace("\n", " "),
+        description="Chat with a model in the terminal.\n\n" + HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_arguments(p)
