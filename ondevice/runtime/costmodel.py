@@ -40,6 +40,10 @@ class CostModel:
         self.host = _Avg(decay)  # seconds of host work per round outside the engines
         # verifier pass cost a + b * L by weighted least squares with forgetting
         self._s = [0.0] * 5  # sum w, w*L, w*L^2, w*t, w*L*t
+        # verifier seconds per token when the drafter worked beside it, and when it did not:
+        # on shared CPU cores the two slow each other down, on a Mac (ANE + GPU) hardly
+        self.per_token_busy = _Avg(decay)
+        self.per_token_alone = _Avg(decay)
         self._accepted = alpha_prior * prior_weight
         self._rejected = (1 - alpha_prior) * prior_weight
 
@@ -57,6 +61,23 @@ class CostModel:
         for i, v in enumerate((1.0, L, L * L, seconds, L * seconds)):
             s[i] += v
         self._s = s
+
+    def observe_contention(self, length: int, seconds: float, busy: bool) -> None:
+        (self.per_token_busy if busy else self.per_token_alone).add(seconds / max(length, 1))
+
+    @property
+    def contention(self) -> float:
+        """How much longer a verifier pass takes while the drafter works (1.0: not at all)."""
+        if not (self.per_token_busy.n and self.per_token_alone.n):
+            return 1.0
+        return max(self.per_token_busy.value / max(self.per_token_alone.value, 1e-12), 1.0)
+
+    def prefetch_pays(self, k: int, k_next: int) -> bool:
+        """Whether drafting ahead during a pass over k + 1 tokens is worth its contention: it
+        saves the guess and k_next drafts when the block and the guess are right."""
+        a = self.alpha
+        saved = a ** (k + 1) * (k_next + 1) * self.draft.value
+        return saved >= (self.contention - 1.0) * self.verify_seconds(k + 1)
 
     def observe_block(self, drafted: int, accepted: int) -> None:
         """A block's outcome: `accepted` successes and, if it stopped early, one failure."""

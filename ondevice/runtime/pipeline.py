@@ -224,6 +224,8 @@ class PipelinedDecoder:
         self.timed = params.greedy and num_draft_tokens is None
         self.k_max = k_max
         self.cost = CostModel()
+        self.explore_every = 16  # rounds
+        self._since = {True: 0, False: 0}  # rounds since a pass with / without drafting beside
         self.stats = DecodeStats()
         self.time_draft = 0.0
         self.time_verify = 0.0
@@ -235,6 +237,8 @@ class PipelinedDecoder:
         self._verify_busy: list[tuple[float, float]] = []
         self._t_start = self._t_end = 0.0
         self._k_used: list[int] = []
+        # per-call measurements, for benchmarks that check the cost model
+        self.calls: dict[str, list] = {"verify": [], "draft": [], "host": []}
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -281,10 +285,20 @@ class PipelinedDecoder:
         self._draft_busy.append((t0, t1))
         self.time_draft += t1 - t0
         self.cost.observe_draft(t1 - t0)
+        self.calls["draft"].append(t1 - t0)
 
     def _block_len(self, offset: int, k: int) -> int | None:
         """Length of the block that starts at chain[offset] (None: needs more drafts)."""
         return block_length(self._chain[offset:], self._chain_conf[offset:], k, self.k, self.eos)
+
+    def _prefetch(self, k: int, k_next: int) -> bool:
+        """Draft ahead during this pass? Yes while the cost model says it pays; and now and
+        then each way regardless, to keep measuring what contention costs."""
+        if self._since[True] >= self.explore_every:
+            return True
+        if self._since[False] >= self.explore_every:
+            return False
+        return self.cost.prefetch_pays(k, k_next)
 
     def _target_k(self, room: int) -> int:
         if self.timed:
@@ -350,15 +364,25 @@ class PipelinedDecoder:
             # 3. while it runs, draft the guess of the bonus token and the next block
             k_next = self._next_target_k(max(0, kmax - K - 1))
             limit_chain = min(room, self.draft.context_length - 1 - len(seq))
-            while not pending.done() and len(self._chain) < limit_chain:
+            steps = 0
+            while self._prefetch(K, k_next) and not pending.done():
+                if len(self._chain) >= limit_chain:
+                    break
                 if len(self._chain) > K and self._block_len(K + 1, k_next) is not None:
                     break  # the next block is complete
                 self._draft_step()
+                steps += 1
             logits = pending.result()
+            self._since[steps > 0] = 0
+            self._since[steps == 0] += 1
+            self.cost.observe_contention(
+                pending.length, pending.t_done - pending.t_submit, busy=steps > 0
+            )
             self.in_flight = None
             self._verify_busy.append((pending.t_submit, pending.t_done))
             self.time_verify += pending.t_done - pending.t_submit
             self.cost.observe_verify(pending.length, pending.t_done - pending.t_submit)
+            self.calls["verify"].append((pending.length, pending.t_done - pending.t_submit))
             # 4. decide, exactly as the sequential decoder does
             t_host = time.perf_counter()
             n, tok = self.chooser.decide(block, q, logits, len(seq))
@@ -391,7 +415,9 @@ class PipelinedDecoder:
                 finish = "length"
             seq.extend(out)
             produced += len(out)
-            self.cost.observe_host(host + time.perf_counter() - t_host)
+            host += time.perf_counter() - t_host
+            self.cost.observe_host(host)
+            self.calls["host"].append(host)
             self._t_end = time.perf_counter()
             yield Round(out, flags, K, n, finish)
             if finish:
