@@ -277,7 +277,17 @@ class Generator:
                 yield item
         finally:
             cancel.set()
-            await asyncio.to_thread(thread.join)
+            # Wait for the worker to finish its round even if this task is cancelled again
+            # meanwhile (servers cancel disconnected requests): the model must be free on return.
+            joined = asyncio.ensure_future(asyncio.to_thread(thread.join))
+            cancelled = False
+            while not joined.done():
+                try:
+                    await asyncio.shield(joined)
+                except asyncio.CancelledError:
+                    cancelled = True
+            if cancelled:
+                raise asyncio.CancelledError
 
 
 def load(

@@ -45,6 +45,9 @@ class RoPE(nn.Module):
         self.dims = cfg.head_dim
         self.traditional = cfg.rope_traditional
         self._freqs, self._scale = rope_wavelengths(cfg)
+        # Not a parameter, so evaluate it here: a lazy array belongs to the stream of the thread
+        # that built it, and generation may run in another thread (mlx >= 0.31.2).
+        mx.eval(self._freqs)
 
     def __call__(self, x: mx.array, offset: int, positions: mx.array | None) -> mx.array:
         if positions is None:

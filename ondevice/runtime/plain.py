@@ -39,27 +39,32 @@ class PlainGreedyDecoder:
         v.reset()
         y = mx.argmax(v.forward(prompt, last_only=True)[-1])
         mx.async_eval(y)
-        produced = 0
-        first = True
-        while produced < room:
-            t = time.perf_counter()
-            nxt = None
-            if produced + 1 < room:
-                nxt = mx.argmax(v.model(y.reshape(1, 1), v.cache)[0, -1])
-                mx.async_eval(nxt)
-            tok = y.item()
-            now = time.perf_counter()
-            if first:
-                self.time_prefill = now - t0
-                first = False
-            else:
-                self.time_verify += now - t
-            self.stats.rounds += 1
-            if tok in self.eos:
-                yield Round([], [], 0, 0, "stop")
-                return
-            produced += 1
-            yield Round([tok], [False], 0, 0, "length" if produced >= room else None)
-            if nxt is None:
-                return
-            y = nxt
+        pending = [y]
+        try:
+            produced = 0
+            first = True
+            while produced < room:
+                t = time.perf_counter()
+                nxt = None
+                if produced + 1 < room:
+                    nxt = mx.argmax(v.model(y.reshape(1, 1), v.cache)[0, -1])
+                    mx.async_eval(nxt)
+                    pending = [nxt]
+                tok = y.item()
+                now = time.perf_counter()
+                if first:
+                    self.time_prefill = now - t0
+                    first = False
+                else:
+                    self.time_verify += now - t
+                self.stats.rounds += 1
+                if tok in self.eos:
+                    yield Round([], [], 0, 0, "stop")
+                    return
+                produced += 1
+                yield Round([tok], [False], 0, 0, "length" if produced >= room else None)
+                if nxt is None:
+                    return
+                y = nxt
+        finally:
+            mx.eval(pending)  # leave no submitted work behind when the consumer stops early
