@@ -130,6 +130,30 @@ def test_100_decode_steps_equal_chunked_feed(llama):
     assert_close(chunked.feed([3, 4, 5]), one_by_one.feed([3, 4, 5]), rel=2e-3)
 
 
+def test_100_decode_calls_equal_one_100_token_chunk_call(tmp, llama):
+    """The functions themselves: 100 stateful decode calls == one chunk call of 100 tokens."""
+    loaded, _, _ = llama
+    pkg = tmp / "llama_chunk100.mlpackage"
+    convert_draft(loaded.config, numpy_weights(loaded.model), pkg, context=CONTEXT, chunk=100)
+    models = ReferenceModel.load_functions(pkg, ["decode", "chunk"])
+    ids = np.random.default_rng(6).integers(0, 96, (1, 100)).astype(np.int32)
+    chunk_state, decode_state = models["chunk"].make_state(), models["decode"].make_state()
+    whole = models["chunk"].predict({"input_ids": ids, "position": np.array([0])}, chunk_state)
+    steps = [
+        models["decode"].predict(
+            {"input_ids": ids[:, i : i + 1], "position": np.array([i])}, decode_state
+        )["logits_0"][0]
+        for i in range(100)
+    ]
+    assert_close(np.concatenate(steps).astype(np.float32), whole["logits_0"][0].astype(np.float32))
+    for name in ("key_cache", "value_cache"):
+        np.testing.assert_allclose(
+            chunk_state.read_state(name).astype(np.float32),
+            decode_state.read_state(name).astype(np.float32),
+            atol=2e-2,
+        )
+
+
 def test_reference_model_functions_share_one_state(llama):
     """The raw MLModel-like interface: decode and chunk functions over one state."""
     _, pkg, _ = llama

@@ -348,7 +348,23 @@ def _layer_norm(c: dict, op) -> Callable:
     return run
 
 
+def _static_shape(var) -> tuple[int, ...] | None:
+    shape = getattr(var, "shape", None)
+    if shape is None or not all(isinstance(d, (int, np.integer)) for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
+
+
+# Shape ops: MIL shapes are static here, so parameters are resolved once at load and a call is
+# a single numpy operation (per-call parsing of small parameter arrays cost more than the op).
+
+
 def _reshape(c: dict, op) -> Callable:
+    out = _static_shape(op.outputs[0])
+    if out is not None:
+        c.pop("shape", None)
+        return partial(lambda x: np.asarray(x).reshape(out), **c)
+
     def run(x, shape):
         x = np.asarray(x)
         shape = [int(s) if int(s) != 0 else x.shape[i] for i, s in enumerate(np.atleast_1d(shape))]
@@ -358,54 +374,52 @@ def _reshape(c: dict, op) -> Callable:
 
 
 def _transpose(c: dict, op) -> Callable:
+    if "perm" in c:
+        perm = tuple(int(p) for p in c.pop("perm"))
+        return partial(lambda x: np.transpose(x, perm), **c)
     return partial(lambda x, perm: np.transpose(x, tuple(int(p) for p in perm)), **c)
 
 
-def _expand_dims(c: dict, op) -> Callable:
-    def run(x, axes):
-        x = np.asarray(x)
-        rank = x.ndim + len(np.atleast_1d(axes))
-        return np.expand_dims(x, tuple(int(a) % rank for a in np.atleast_1d(axes)))
-
-    return partial(run, **c)
-
-
-def _squeeze(c: dict, op) -> Callable:
-    def run(x, axes=None):
-        x = np.asarray(x)
-        if axes is None:
-            return np.squeeze(x)
-        return np.squeeze(x, tuple(int(a) % x.ndim for a in np.atleast_1d(axes)))
-
-    return partial(run, **c)
+def _expand_dims(c: dict, op) -> Callable:  # and squeeze: a reshape to the known output shape
+    out = _static_shape(op.outputs[0])
+    if out is None:
+        raise _Unsupported(op.op_type, "dynamic output shape")
+    c.pop("axes", None)
+    return partial(lambda x: np.asarray(x).reshape(out), **c)
 
 
 def _concat(c: dict, op) -> Callable:
     c.pop("interleave", None)
     if op.inputs.get("interleave") is not None and bool(op.inputs["interleave"].val):
         raise _Unsupported("concat", "interleave=True")
-    return partial(
-        lambda values, axis: np.concatenate([np.asarray(v) for v in values], int(axis)), **c
-    )
+    axis = int(c.pop("axis"))
+    return partial(lambda values: np.concatenate(values, axis), **c)
 
 
 def _split(c: dict, op) -> Callable:
-    def run(x, axis, num_splits=None, split_sizes=None):
+    x_shape = _static_shape(op.inputs["x"])
+    if x_shape is None:
+        raise _Unsupported("split", "dynamic input shape")
+    axis = int(c.pop("axis")) % len(x_shape)
+    c.pop("num_splits", None)
+    c.pop("split_sizes", None)
+    slices, start = [], 0
+    for var in op.outputs:  # the outputs' static shapes give the split points
+        n = var.shape[axis]
+        slices.append((slice(None),) * axis + (slice(start, start + n),))
+        start += n
+
+    def run(x):
         x = np.asarray(x)
-        axis = int(axis) % x.ndim
-        if split_sizes is not None:
-            idx = np.cumsum(np.atleast_1d(split_sizes))[:-1]
-            return tuple(np.split(x, idx, axis=axis))
-        return tuple(np.split(x, int(num_splits), axis=axis))
+        return tuple(x[s] for s in slices)
 
     return partial(run, **c)
 
 
 def _slice_by_index(c: dict, op) -> Callable:
-    def run(x, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_mask=None):
-        x = np.asarray(x)
+    def index(shape, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_mask=None):
         idx: list[Any] = []
-        for i in range(x.ndim):
+        for i in range(len(shape)):
             b = None if begin_mask is not None and begin_mask[i] else int(begin[i])
             e = None if end_mask is not None and end_mask[i] else int(end[i])
             s = 1 if stride is None else int(stride[i])
@@ -413,14 +427,29 @@ def _slice_by_index(c: dict, op) -> Callable:
                 idx.append(int(begin[i]))
             else:
                 idx.append(slice(b, e, s))
-        out = np.array(x[tuple(idx)])  # a copy: inputs may be state buffers written in place
-        return out if keep_f32 else _f16(out)
+        return tuple(idx)
 
     # A slice of a (float32-held) float16 state that only feeds products stays float32: its
     # values are float16 numbers either way, and the product would convert it anyway.
     keep_f32 = all(
         child.op_type in ("matmul", "conv", "linear") for child in op.outputs[0].child_ops
     )
+    x_shape = _static_shape(op.inputs["x"])
+    params = ("begin", "end", "stride", "begin_mask", "end_mask", "squeeze_mask")
+    if x_shape is not None and all(k in c for k in params if k in op.inputs):
+        idx = index(x_shape, **{k: c.pop(k) for k in params if k in c})
+
+        def fixed(x):
+            out = np.array(np.asarray(x)[idx])  # a copy: x may be a state written in place
+            return out if keep_f32 else _f16(out)
+
+        return partial(fixed, **c)
+
+    def run(x, **kw):
+        x = np.asarray(x)
+        out = np.array(x[index(x.shape, **kw)])
+        return out if keep_f32 else _f16(out)
+
     return partial(run, **c)
 
 
@@ -587,7 +616,7 @@ _FACTORIES: dict[str, Callable] = {
     "reshape": _reshape,
     "transpose": _transpose,
     "expand_dims": _expand_dims,
-    "squeeze": _squeeze,
+    "squeeze": _expand_dims,
     "concat": _concat,
     "split": _split,
     "slice_by_index": _slice_by_index,
