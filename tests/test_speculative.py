@@ -467,3 +467,42 @@ def test_a_biased_rule_fails_the_distribution_test(small_vocab_pair):
 
     counts = _joint_counts(ver, dra, params, PROMPT, N_SAMPLES, rule=accept_everything)
     assert _chi2_pvalue(counts, _exact_joint(ver, params, PROMPT), N_SAMPLES) < 1e-6
+
+
+def test_load_in_one_thread_generate_in_another(pair):
+    """MLX streams belong to threads: nothing lazy may cross from the loading thread (a chat app
+    loads in one worker and generates in another)."""
+    import threading
+
+    box: dict = {}
+
+    def load():
+        box["g"] = ondevice.load(*pair)
+
+    def generate():
+        try:
+            box["tokens"] = box["g"].generate("hello", max_tokens=8).tokens
+        except Exception as e:  # reported below
+            box["error"] = e
+
+    for target in (load, generate):
+        t = threading.Thread(target=target)
+        t.start()
+        t.join()
+    assert "error" not in box, box.get("error")
+    assert box["tokens"] == box["g"].generate("hello", max_tokens=8).tokens
+
+
+def test_closing_astream_early_stops_the_worker(gen):
+    import asyncio
+    import threading
+
+    async def first_then_close():
+        agen = gen.astream("hello world", max_tokens=200)
+        async for _ in agen:
+            break
+        await agen.aclose()
+
+    asyncio.run(first_then_close())
+    assert not [t for t in threading.enumerate() if t.name == "ondevice-generate"]
+    assert gen.generate("hi", max_tokens=4).tokens  # the model is free again
