@@ -211,7 +211,7 @@ def distill(
         "top_k": top_k,
         "train": {k: v for k, v in asdict(cfg).items() if k != "extra"},
     }
-    max_bytes = int(max_mb * (1 << 20)) if max_mb else None
+    max_bytes = int(max_mb * 1e6) if max_mb else None
 
     def on_checkpoint(model, summary: dict[str, Any]) -> None:
         info = {**recipe, **{k: v for k, v in summary.items() if k not in ("losses", "model")}}

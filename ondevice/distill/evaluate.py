@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import time
     from collections import defaultdict
+    from pathlib import Path
 
     from ondevice.distill.export import draft_vocab_size
     from ondevice.distill.teacher import load_teacher
@@ -85,29 +86,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, nargs="+", default=[3, 4, 5])
     ap.add_argument("--out", help="write the per-category numbers as JSON here")
+    ap.add_argument(
+        "--cache", help="JSON file keeping the verifier's greedy continuations between runs"
+    )
     args = ap.parse_args(argv)
 
     teacher = load_teacher(args.verifier)
-    draft = load_model(args.draft, dtype="float32").model
-    vocab = draft_vocab_size(args.draft)
     tok = teacher.tokenizer
+    cache: dict[str, list[int]] = {}
+    if args.cache and Path(args.cache).exists():
+        cache = json.loads(Path(args.cache).read_text())
     rows: dict[str, list[dict]] = defaultdict(list)
     for line in open(args.prompts):
         r = json.loads(line)
         if len(rows[r["category"]]) < args.per_category:
             rows[r["category"]].append(r)
-    per_cat: dict[str, np.ndarray] = {}
     t0 = time.time()
+    pairs: dict[str, list[tuple[list[int], list[int]]]] = defaultdict(list)
     for cat, rs in rows.items():
-        ms = []
         for r in rs:
             prompt = tok.encode(
                 tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}])
             )
-            cont = greedy_continuation(
-                teacher.model, prompt, args.max_tokens, set(tok.eos_token_ids)
-            )
-            ms.append(draft_agreement(draft, prompt, cont, vocab).matches)
+            key = f"{r['question_id']}:{args.max_tokens}"
+            if key not in cache:
+                eos = set(tok.eos_token_ids)
+                cache[key] = greedy_continuation(teacher.model, prompt, args.max_tokens, eos)
+                if args.cache:
+                    Path(args.cache).write_text(json.dumps(cache))
+            pairs[cat].append((prompt, cache[key]))
+        print(f"{cat:16s} verifier continuations ready ({time.time() - t0:.0f}s)", flush=True)
+    draft = load_model(args.draft, dtype="float32").model
+    vocab = draft_vocab_size(args.draft)
+    per_cat: dict[str, np.ndarray] = {}
+    for cat, ps in pairs.items():
+        ms = [draft_agreement(draft, prompt, cont, vocab).matches for prompt, cont in ps]
         per_cat[cat] = np.concatenate(ms)
         print(
             f"{cat:16s} agreement {per_cat[cat].mean():.3f} ({time.time() - t0:.0f}s)", flush=True

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ondevice.errors import OndeviceError
 from ondevice.models import Tokenizer
 from ondevice.models.transformer import Model
 from ondevice.models.weights import save_model
@@ -59,26 +60,31 @@ def export_draft(
             bits=embed_bits,
             class_predicate=lambda p, m: isinstance(m, nn.Embedding),
         )
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save(tmp)
+    # The tokenizer counts toward the budget; stored compactly (no indentation) to leave room.
+    tokenizer._tok.save(str(tmp / "tokenizer.json"), pretty=False)
     layer_bits = None
     if max_bytes is not None:
-        fixed = sum(
-            v.nbytes
-            for k, v in tree_flatten(model.parameters())
-            if not k.startswith("model.layers.")
+        params = tree_flatten(model.parameters())
+        fixed = sum(f.stat().st_size for f in tmp.iterdir()) + (64 << 10)  # + config headroom
+        fixed += sum(
+            v.size * 2 if mx.issubdtype(v.dtype, mx.floating) else v.nbytes
+            for k, v in params
+            if not k.startswith("model.layers.") or v.ndim == 1
         )
-        fixed += 4 << 20  # tokenizer files and headroom
-        n_layer = sum(
-            v.size
-            for k, v in tree_flatten(model.parameters())
-            if k.startswith("model.layers.") and v.ndim == 2
-        )
+        n_layer = sum(v.size for k, v in params if k.startswith("model.layers.") and v.ndim == 2)
         if fixed + n_layer * 2 > max_bytes:  # float16 does not fit: the most bits that do
             for bits in (8, 6, 5, 4, 3, 2):
                 if fixed + _quantized_size(n_layer, bits, group) <= max_bytes:
                     layer_bits = bits
                     break
             else:
-                layer_bits = 2
+                raise OndeviceError(
+                    f"the draft does not fit in {max_bytes / 1e6:.0f} MB even with 2-bit layers; "
+                    "raise --max-mb or use fewer --layers."
+                )
     if layer_bits:
         nn.quantize(
             model,
@@ -87,10 +93,7 @@ def export_draft(
             class_predicate=lambda p, m: isinstance(m, nn.Linear) and p.startswith("model.layers."),
         )
     model.set_dtype(mx.float16, lambda d: mx.issubdtype(d, mx.floating))
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     save_model(model, tmp)
-    tokenizer.save(tmp)
     conf = json.loads((tmp / "config.json").read_text())
     conf["torch_dtype"] = "float16"
     if vocab is not None:
