@@ -320,7 +320,16 @@ def test_cost_model():
     # a cheap draft that is often right: long blocks; pipelining is never slower
     assert cm.best_k(False, 12) >= 4
     assert all(cm.rate(k, True) >= cm.rate(k, False) for k in range(1, 12))
-    # a draft that is always wrong: the shortest block
+    # drafting ahead pays while it does not slow the verifier down
+    assert cm.prefetch_pays(3, 3)
+    cm.observe_contention(4, 0.020, busy=False)
+    cm.observe_contention(4, 0.0205, busy=True)
+    assert cm.contention == pytest.approx(1.025)
+    assert cm.prefetch_pays(3, 3)  # saves 0.8^4 * 4 drafts = 1.6 ms, costs 2.5% of 18 ms
+    cm.observe_contention(4, 0.04, busy=True)
+    assert not cm.prefetch_pays(3, 3)  # the verifier slowed down a lot: not worth it
+    # a draft that is always wrong: the shortest block, and no drafting ahead under contention
     for _ in range(200):
         cm.observe_block(4, 0)
     assert cm.best_k(False, 12) == 1 and cm.alpha < 0.05
+    assert not cm.prefetch_pays(1, 1)

@@ -225,7 +225,9 @@ class PipelinedDecoder:
         self.k_max = k_max
         self.cost = CostModel()
         self.explore_every = 16  # rounds
-        self._since = {True: 0, False: 0}  # rounds since a pass with / without drafting beside
+        # rounds since a pass with / without drafting beside it; the second round measures a
+        # pass alone, so the contention is known early
+        self._since = {True: 0, False: self.explore_every - 1}
         self.stats = DecodeStats()
         self.time_draft = 0.0
         self.time_verify = 0.0
