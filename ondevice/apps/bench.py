@@ -35,14 +35,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="Spec-Bench-format JSONL (question_id, category, turns); default: built-in set",
     )
     pr.add_argument(
-        "--turn", type=int, default=1, help="which turn of each entry to send (1-based)"
+        "--turn", type=int, default=1, metavar="N", help="send each entry's N-th turn (default 1)"
     )
     pr.add_argument(
         "--per-category", type=int, metavar="N", help="first N prompts of each category"
     )
     pr.add_argument("--categories", type=_csv, metavar="A,B", help="only these categories")
     g = p.add_argument_group("decoding")
-    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--max-tokens", type=int, default=128, metavar="N", help="default: 128")
     g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
@@ -62,7 +62,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
     out = p.add_argument_group("output")
-    out.add_argument("--out", type=Path, default=Path("ondevice-bench.json"), metavar="FILE.json")
+    out.add_argument(
+        "--out",
+        type=Path,
+        default=Path("ondevice-bench.json"),
+        metavar="FILE.json",
+        help="results: per-prompt records, aggregates, machine (default: %(default)s)",
+    )
     out.add_argument("--plot", type=Path, metavar="FILE.png", help="default: --out with .png")
     out.add_argument("--no-plot", action="store_true")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
