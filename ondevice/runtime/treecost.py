@@ -1,0 +1,199 @@
+"""How long a model's forward pass takes as a function of how many tokens it scores.
+
+Sequoia's hardware-aware idea: a bigger tree accepts more tokens but costs more per pass, and the
+trade-off depends on the device (on a GPU a pass of 32 tokens costs about as much as one; on a
+CPU with quantized weights it can cost many times more). So the cost is measured once per device
+and model, cached as JSON under `cache_dir()/profiles`, and proposers size their trees with it.
+
+Sizes chosen from a cached profile depend only on that file and on accepted counts, never on the
+clock during generation, so a seed still gives the same tokens on a given machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ondevice.speculative.engine import Engine
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+FORMAT = 1
+
+
+@dataclass
+class CostProfile:
+    """Seconds of one forward pass over n new tokens (after a context of `context` tokens)."""
+
+    sizes: list[int]
+    seconds: list[float]
+    device: str = ""
+    model: str = ""
+    context: int = 0
+
+    def __call__(self, n: int | np.ndarray) -> np.ndarray | float:
+        """Interpolated cost of n tokens; linear extrapolation beyond the largest size."""
+        x = np.asarray(self.sizes, np.float64)
+        y = np.asarray(self.seconds, np.float64)
+        n_arr = np.asarray(n, np.float64)
+        out = np.interp(n_arr, x, y)
+        if len(x) > 1:
+            slope = max((y[-1] - y[-2]) / (x[-1] - x[-2]), 0.0)
+            out = np.where(n_arr > x[-1], y[-1] + slope * (n_arr - x[-1]), out)
+        return float(out) if np.ndim(n) == 0 else out
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> CostProfile:
+        if d.get("format") != FORMAT:
+            raise ValueError("unknown profile format")
+        p = cls(
+            d["sizes"], d["seconds"], d.get("device", ""), d.get("model", ""), d.get("context", 0)
+        )
+        if len(p.sizes) != len(p.seconds) or not p.sizes or sorted(p.sizes) != p.sizes:
+            raise ValueError("malformed profile")
+        return p
+
+
+def device_name() -> str:
+    """A name for the hardware and the compute path that determine pass costs."""
+    cpu = platform.processor() or platform.machine()
+    if platform.system() == "Darwin":
+        try:
+            import subprocess
+
+            cpu = (
+                subprocess.run(
+                    ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True
+                ).stdout.strip()
+                or cpu
+            )
+        except OSError:
+            pass
+    else:
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    try:
+        import mlx.core as mx
+
+        backend = str(mx.default_device())
+    except ImportError:  # pragma: no cover - mlx is a dependency
+        backend = "?"
+    # On Linux the BLAS behind MLX's CPU backend changes costs several-fold (see DESIGN.md).
+    blas = Path(os.environ.get("LD_PRELOAD", "").split(":")[0]).name
+    return " | ".join(
+        x for x in (platform.system(), cpu, backend, blas, f"{os.cpu_count()} cpus") if x
+    )
+
+
+def engine_key(engine: Engine) -> str:
+    """What determines an engine's pass cost: its architecture, dtype and quantization (not the
+    weight values), or for non-MLX engines their kind, vocabulary and context."""
+    model = getattr(engine, "model", None)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and is_dataclass(cfg):
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        first = next((v for _, v in tree_flatten(model.parameters())), None)
+        dtype = str(first.dtype) if isinstance(first, mx.array) else "?"
+        desc = json.dumps({"config": asdict(cfg), "dtype": dtype}, sort_keys=True, default=str)
+    else:
+        desc = json.dumps(
+            [
+                engine.name,
+                engine.vocab_size,
+                engine.context_length,
+                str(getattr(engine, "path", "")),
+            ]
+        )
+    return f"{engine.name}-{hashlib.sha256(desc.encode()).hexdigest()[:16]}"
+
+
+def profile_path(device: str, key: str) -> Path:
+    from ondevice.models.hub import cache_dir
+
+    dev = hashlib.sha256(device.encode()).hexdigest()[:12]
+    return cache_dir() / "profiles" / f"{key}-{dev}.json"
+
+
+def measure(
+    engine: Engine,
+    sizes: tuple[int, ...] = SIZES,
+    *,
+    context: int = 256,
+    repeats: int = 5,
+) -> CostProfile:
+    """Time `engine.feed` of n tokens after a `context`-token prefix (median of `repeats`)."""
+    context = max(1, min(context, engine.context_length - max(sizes) - 1))
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, engine.vocab_size, context + max(sizes)).tolist()
+    engine.reset()
+    engine.feed(toks[:context], last_only=True)
+    secs = []
+    for n in sizes:
+        block = toks[context : context + n]
+        engine.feed(block)  # warm-up: first calls compile and allocate
+        engine.trim(n)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            engine.feed(block)
+            times.append(time.perf_counter() - t)
+            engine.trim(n)
+        secs.append(float(np.median(times)))
+    engine.reset()
+    # A profile must not decrease with size (timing noise): the tree sizer assumes it.
+    secs = np.maximum.accumulate(secs).tolist()
+    return CostProfile(list(sizes), secs, device_name(), engine_key(engine), context)
+
+
+def load_profile(
+    engine: Engine,
+    *,
+    sizes: tuple[int, ...] = SIZES,
+    measure_if_missing: bool = True,
+    path: Path | None = None,
+) -> CostProfile | None:
+    """The cached profile of `engine` on this device, measured (and cached) if missing."""
+    path = path or profile_path(device_name(), engine_key(engine))
+    if path.exists():
+        try:
+            return CostProfile.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+            pass  # unreadable or old: measure again
+    if not measure_if_missing:
+        return None
+    prof = measure(engine, sizes)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(prof.to_json(), indent=1))
+    tmp.replace(path)  # atomic: a crash never leaves half a profile
+    return prof
+
+
+def best_size(
+    values: np.ndarray, verify: CostProfile, fixed: float = 0.0, per_node: float = 0.0
+) -> int:
+    """How many proposals to verify: values[i] is the (estimated) probability that the i-th best
+    proposal is accepted, so verifying the best n yields 1 + sum(values[:n]) tokens per pass on
+    average, at cost fixed + per_node * n (drafting) + verify(n + 1). Returns the n that
+    maximises tokens per second."""
+    vals = np.sort(np.asarray(values, np.float64))[::-1]
+    n = np.arange(len(vals) + 1)
+    gain = 1.0 + np.concatenate([[0.0], np.cumsum(vals)])
+    cost = fixed + per_node * n + np.asarray(verify(n + 1))
+    return int(np.argmax(gain / cost))

@@ -1,0 +1,239 @@
+"""Token trees: structure, attention mask and positions, and the lossless acceptance rules.
+
+A tree is rooted at the last committed token (node 0, which the verifier has not seen yet: it is
+fed together with the proposals, as in the chain decoder). Every other node is a proposed token
+after its parent. Nodes are stored in insertion order and a parent always precedes its children,
+so the list of nodes is a valid order for one verifier pass: node i attends to the committed
+prefix and to its own ancestors, at position `root_position + depth(i)`. The verifier's output at
+node i is then its distribution for the token after the path root..i.
+
+Each node keeps the *draws* that proposed its children, in the order the acceptance rule tries
+them: `(token, q)` where `q` is the distribution the token was sampled from, or None for a
+deterministic proposal (top-k children, prompt lookup, n-gram pools). Several draws may name the
+same child (i.i.d. samples repeat); the tree stores that child once, the rule still sees every
+draw, which is what keeps multi-draft rejection sampling exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ondevice.speculative.sampling import sample
+
+Draw = tuple[int, "np.ndarray | None"]
+
+
+@dataclass
+class TokenTree:
+    tokens: list[int]
+    parents: list[int] = field(default_factory=lambda: [-1])
+    depths: list[int] = field(default_factory=lambda: [0])
+    children: list[dict[int, int]] = field(default_factory=lambda: [{}])
+    draws: list[list[Draw]] = field(default_factory=lambda: [[]])
+
+    @classmethod
+    def root(cls, token: int) -> TokenTree:
+        return cls([int(token)])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, q: np.ndarray | None = None) -> int:
+        """Record a draw of `token` after `parent` (from distribution `q`, or deterministic when
+        None) and return the child's node index (an existing one if the token is already there).
+
+        A deterministic draw repeating an earlier deterministic draw of the same token is dropped:
+        the rule would always reject it (the residual has no mass left on that token) and leave
+        the residual unchanged, so it carries no information.
+        """
+        token = int(token)
+        kids = self.children[parent]
+        node = kids.get(token)
+        if node is None:
+            node = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1)
+            self.children.append({})
+            self.draws.append([])
+            kids[token] = node
+        if q is not None or not any(t == token and d is None for t, d in self.draws[parent]):
+            self.draws[parent].append((token, q))
+        return node
+
+    def add_path(self, tokens: Sequence[int], parent: int = 0) -> list[int]:
+        """Add a deterministic chain of tokens below `parent`; returns its node indices."""
+        nodes = []
+        for t in tokens:
+            parent = self.add(parent, t)
+            nodes.append(parent)
+        return nodes
+
+    @property
+    def size(self) -> int:
+        """Proposed tokens (nodes other than the root)."""
+        return len(self.tokens) - 1
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root's child down to `node` (empty for the root)."""
+        out = []
+        while node > 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def path_tokens(self, node: int) -> list[int]:
+        return [self.tokens[i] for i in self.path(node)]
+
+    def ancestors(self) -> np.ndarray:
+        """Boolean (N, N): [i, j] is True when j is i or an ancestor of i."""
+        n = len(self.tokens)
+        anc = np.zeros((n, n), dtype=bool)
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                anc[i] = anc[p]
+            anc[i, i] = True
+        return anc
+
+    def attention_mask(self) -> np.ndarray:
+        """Additive float32 mask (N, N) over the tree's nodes: 0 on ancestors-or-self, -inf
+        elsewhere. The committed prefix is visible to every node and is not part of it."""
+        return np.where(self.ancestors(), 0.0, -np.inf).astype(np.float32)
+
+    def positions(self, root_position: int) -> np.ndarray:
+        return root_position + np.asarray(self.depths, dtype=np.int32)
+
+    def subtree(self, keep: Sequence[int]) -> tuple[TokenTree, list[int]]:
+        """The tree restricted to `keep` (must contain every kept node's ancestors; the root is
+        always kept), with draws of dropped children removed. Returns the tree and, for each new
+        node, its index in this tree."""
+        kept = sorted(set(keep) | {0})
+        new_index = {old: new for new, old in enumerate(kept)}
+        out = TokenTree.root(self.tokens[0])
+        for old in kept[1:]:
+            parent = new_index.get(self.parents[old])
+            if parent is None:
+                raise ValueError(f"subtree: node {old} is kept but its parent is not")
+            out.tokens.append(self.tokens[old])
+            out.parents.append(parent)
+            out.depths.append(out.depths[parent] + 1)
+            out.children.append({})
+            out.draws.append([])
+            out.children[parent][self.tokens[old]] = len(out.tokens) - 1
+        for old in kept:
+            node = new_index[old]
+            out.draws[node] = [(t, q) for t, q in self.draws[old] if t in out.children[node]]
+        return out, kept
+
+
+# -- acceptance ---------------------------------------------------------------------------------
+
+
+def accept_greedy(tree: TokenTree, target: Sequence[int]) -> tuple[list[int], int]:
+    """Longest path whose every token is the verifier's argmax after its parent.
+
+    `target[i]` is the verifier's argmax after node i. Returns the accepted nodes (root's child
+    first) and the verifier's token after the last of them.
+    """
+    node, path = 0, []
+    while True:
+        tok = int(target[node])
+        child = tree.children[node].get(tok)
+        if child is None:
+            return path, tok
+        path.append(child)
+        node = child
+
+
+def acceptance_probability(r: np.ndarray, token: int, q: np.ndarray | None) -> float:
+    """Probability of accepting the draw `token` against the residual target `r`.
+
+    Sampled from q: min(1, r(x)/q(x)). Deterministic (q is a point mass on x): r(x).
+    """
+    if q is None:
+        return float(min(1.0, r[token]))
+    qx = q[token]
+    return float(min(1.0, r[token] / qx)) if qx > 0 else 0.0
+
+
+def after_rejection(r: np.ndarray, token: int, q: np.ndarray | None) -> np.ndarray:
+    """The residual target after a draw was rejected: norm(max(0, r - q)), with q a point mass
+    on `token` for deterministic draws (so: r without `token`, renormalised)."""
+    if q is None:
+        out = r.copy()
+        out[token] = 0.0
+    else:
+        out = np.maximum(r - q, 0.0)
+    s = out.sum()
+    # s == 0 only when rejection had probability 0 (r == q up to rounding); keep r then.
+    return out / s if s > 0 else r
+
+
+ProbRows = Callable[[int], np.ndarray]
+
+
+def accept_sampled(
+    tree: TokenTree, p: ProbRows | np.ndarray, rng: np.random.Generator
+) -> tuple[list[int], int]:
+    """Recursive rejection sampling down the tree (SpecInfer / SpecTr multi-draft rule, and
+    EAGLE's rule for deterministic children, which is the same rule with point-mass proposals).
+
+    At each node start from the verifier's distribution r = p(node) and try the node's draws in
+    order: accept draw x with `acceptance_probability(r, x, q)`; on acceptance move to x's node,
+    on rejection replace r by `after_rejection(r, x, q)`. When every draw is rejected (or there
+    are none) sample the emitted token from r. Every emitted token is distributed exactly as the
+    verifier's p, whatever the draws were, provided each draw was made before this call and
+    sampled draws are independent samples from their q.
+
+    `p` is a (N, V) array or a function node -> (V,) distribution (so only visited rows are
+    computed).
+    """
+    row = p if callable(p) else p.__getitem__
+    node, path = 0, []
+    while True:
+        r = row(node)
+        nxt = None
+        for tok, q in tree.draws[node]:
+            if rng.random() < acceptance_probability(r, tok, q):
+                nxt = tree.children[node][tok]
+                break
+            r = after_rejection(r, tok, q)
+        if nxt is None:
+            return path, sample(r, rng)
+        path.append(nxt)
+        node = nxt
+
+
+# -- static tree shapes ----------------------------------------------------------------------
+
+# Rank paths: (0,) is the draft's best child of the root, (0, 1) the second-best child of that,
+# and so on (for sampled trees: the i-th draw). A shape must list every prefix of its paths.
+CHAIN_4 = ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
+DEFAULT_STATIC = (
+    (0,), (1,), (2,),
+    (0, 0), (0, 1), (1, 0), (2, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1),
+    (0, 0, 0, 0, 0),
+)  # fmt: skip
+
+
+def check_shape(paths: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """Validate a static tree shape (every prefix present, ranks >= 0); return it sorted by
+    depth then rank, the order in which it is filled."""
+    shape = {tuple(int(r) for r in p) for p in paths}
+    for p in shape:
+        if not p or min(p) < 0:
+            raise ValueError(f"tree shape: bad path {p!r} (ranks are integers >= 0)")
+        if len(p) > 1 and p[:-1] not in shape:
+            raise ValueError(f"tree shape: path {p!r} is listed but its prefix {p[:-1]!r} is not")
+        if p[-1] > 0 and (*p[:-1], p[-1] - 1) not in shape:
+            raise ValueError(f"tree shape: path {p!r} is listed but rank {p[-1] - 1} is not")
+    return sorted(shape, key=lambda p: (len(p), p))

@@ -1,0 +1,647 @@
+"""Token trees: structure, masks and positions against sequential passes, keep-subset, the
+multi-draft acceptance rules by exact enumeration, and end-to-end losslessness of every method
+(greedy identity; the joint law of the first two sampled tokens by a chi-square test)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+from scipy.stats import chi2
+
+import ondevice.speculative.tree as tree_mod
+from ondevice.models import load_model
+from ondevice.runtime.engines import MLXEngine
+from ondevice.runtime.tree_decoder import METHODS, MLXTreeEngine, make_decoder
+from ondevice.speculative.proposers import DraftState
+from ondevice.speculative.sampling import SamplingParams, probabilities
+from ondevice.speculative.tree import (
+    TokenTree,
+    accept_greedy,
+    accept_sampled,
+    acceptance_probability,
+    after_rejection,
+    check_shape,
+)
+
+# -- structure -------------------------------------------------------------------------------------
+
+
+def _random_tree(rng: np.random.Generator, root: int, n: int, vocab: int) -> TokenTree:
+    tree = TokenTree.root(root)
+    while tree.size < n:
+        parent = int(rng.integers(len(tree)))
+        if tree.depths[parent] < 4:
+            tree.add(parent, int(rng.integers(5, vocab)))
+    return tree
+
+
+def test_tree_structure_mask_positions_and_subtree():
+    t = TokenTree.root(7)
+    a = t.add(0, 3)
+    b = t.add(0, 4)
+    c = t.add(a, 5)
+    assert t.add(0, 3) == a  # same token under the same parent: same node
+    assert t.draws[0] == [(3, None), (4, None)]  # a repeated deterministic draw is dropped
+    q = np.full(8, 1 / 8)
+    assert t.add(0, 3, q) == a and len(t.draws[0]) == 3  # a sampled draw is kept
+    assert t.path(c) == [a, c] and t.path_tokens(c) == [3, 5] and t.path(0) == []
+    assert t.depths == [0, 1, 1, 2] and t.max_depth == 2 and t.size == 3
+    np.testing.assert_array_equal(t.positions(10), [10, 11, 11, 12])
+    expected = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], bool)
+    np.testing.assert_array_equal(t.ancestors(), expected)
+    assert np.all(t.attention_mask()[expected] == 0)
+    assert np.all(np.isneginf(t.attention_mask()[~expected]))
+    sub, kept = t.subtree([a, c])
+    assert kept == [0, a, c] and sub.tokens == [7, 3, 5] and sub.parents == [-1, 0, 1]
+    assert [tok for tok, _ in sub.draws[0]] == [3, 3]  # draws of the dropped child 4 are gone
+    with pytest.raises(ValueError, match="parent"):
+        t.subtree([c])
+
+
+def test_check_shape():
+    assert check_shape([(0, 0), (0,), (1,)]) == [(0,), (1,), (0, 0)]
+    with pytest.raises(ValueError, match="prefix"):
+        check_shape([(0,), (0, 0, 0)])
+    with pytest.raises(ValueError, match="rank 0"):
+        check_shape([(1,)])
+
+
+def test_accept_greedy_takes_the_longest_matching_path():
+    t = TokenTree.root(1)
+    a = t.add(0, 3)
+    t.add(0, 4)
+    c = t.add(a, 5)
+    t.add(c, 6)
+    # target[i]: the verifier's argmax after node i
+    assert accept_greedy(t, [3, 5, 0, 9, 0]) == ([a, c], 9)
+    assert accept_greedy(t, [4, 0, 8, 0, 0]) == ([2], 8)
+    assert accept_greedy(t, [9, 0, 0, 0, 0]) == ([], 9)
+
+
+# -- the acceptance rule by exact enumeration ------------------------------------------------------
+
+
+class _Need(Exception):
+    pass
+
+
+class _Probe(float):
+    """A uniform whose comparisons record the thresholds they compare it with."""
+
+    seen: list[float] = []
+
+    def __lt__(self, other):
+        _Probe.seen.append(float(other))
+        return float(self) < float(other)
+
+
+class _Rng:
+    """Plays back fixed uniforms; the first uniform past the script is a `_Probe`, and asking for
+    one more raises `_Need`."""
+
+    cdf: np.ndarray | None = None  # set by the instrumented `sample` just before it draws
+
+    def __init__(self, script):
+        self.script, self.i = script, 0
+        self.thresholds: list[float] | None = None
+
+    def random(self):
+        cdf, _Rng.cdf = _Rng.cdf, None
+        if self.i < len(self.script):
+            self.i += 1
+            return self.script[self.i - 1]
+        if self.thresholds is not None:
+            raise _Need
+        self.thresholds = [] if cdf is None else list(cdf)
+        _Probe.seen = self.thresholds
+        return _Probe(0.5)
+
+
+@pytest.fixture
+def exact(monkeypatch):
+    """`integrate(fn)`: the exact law {outcome: probability} of fn(rng) over its uniforms.
+
+    The code under test uses a uniform only by comparing it with thresholds fixed before it is
+    drawn (`u < a`, or inverse-CDF sampling), so each uniform's thresholds are learnt with a probe,
+    [0, 1] is split at them, and one run per interval (at its midpoint, weighted by its width)
+    covers the interval exactly."""
+    real = tree_mod.sample
+
+    def recording_sample(p, rng):
+        c = np.cumsum(p)
+        _Rng.cdf = c / c[-1]
+        return real(p, rng)
+
+    monkeypatch.setattr(tree_mod, "sample", recording_sample)
+
+    def integrate(fn) -> Counter:
+        out: Counter = Counter()
+
+        def rec(script, weight):
+            rng = _Rng(script)
+            try:
+                res = fn(rng)
+            except _Need:
+                res = None
+            if rng.thresholds is None:
+                out[res] += weight
+                return
+            pts = np.unique(np.clip([0.0, 1.0, *rng.thresholds], 0, 1))
+            for lo, hi in zip(pts[:-1], pts[1:]):
+                if hi > lo:
+                    rec([*script, (lo + hi) / 2], weight * (hi - lo))
+
+        rec([], 1.0)
+        return out
+
+    return integrate
+
+
+def _rand_dist(rng, v, zeros=0):
+    x = rng.random(v) ** 2
+    x[rng.choice(v, zeros, replace=False)] = 0
+    return x / x.sum()
+
+
+def _first_token_law(integrate, p, qs, det, rule, V):
+    """Exact law of the token emitted first at a node whose draws are i.i.d. samples from each q
+    in `qs` (in order, enumerated over all outcomes) followed by deterministic tokens `det`."""
+    law = np.zeros(V)
+    for sampled in itertools.product(range(V), repeat=len(qs)):
+        w = np.prod([q[x] for q, x in zip(qs, sampled)])
+        if w == 0:
+            continue
+        tree = TokenTree.root(0)
+        for x, q in zip(sampled, qs):
+            tree.add(0, x, q)
+        for x in det:
+            tree.add(0, x)
+        rows = np.stack([p] + [np.full(V, 1 / V)] * tree.size)
+
+        def fn(r, tree=tree, rows=rows):
+            path, tok = rule(tree, rows, r)
+            return tree.tokens[path[0]] if path else tok
+
+        for tok, pr in integrate(fn).items():
+            law[tok] += w * pr
+    return law
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "draws",
+    ["one sampled", "three iid", "two q's", "top-2 deterministic", "mixed"],
+)
+def test_multi_draft_rule_emits_exactly_p(exact, seed, draws):
+    """SpecInfer/SpecTr recursive rejection over i.i.d. sampled children, EAGLE's rule over
+    deterministic children, and a mix of both: the first token's law is exactly p."""
+    rng = np.random.default_rng(seed)
+    V = 4
+    p, q, q2 = _rand_dist(rng, V, zeros=seed % 2), _rand_dist(rng, V, 1), _rand_dist(rng, V)
+    qs, det = {
+        "one sampled": ([q], []),
+        "three iid": ([q, q, q], []),
+        "two q's": ([q, q2], []),
+        "top-2 deterministic": ([], list(np.argsort(-q)[:2])),
+        "mixed": ([q2], [int(np.argmax(q)), 1]),
+    }[draws]
+    law = _first_token_law(exact, p, qs, det, accept_sampled, V)
+    np.testing.assert_allclose(law, p, atol=1e-12)
+
+
+def test_two_level_tree_emits_the_verifier_joint_law(exact):
+    """Root with two i.i.d. draws, each child with two i.i.d. draws (context-dependent p and q):
+    the first token follows p1, and the second, given the first was an accepted draft, follows
+    p2[first] exactly."""
+    rng = np.random.default_rng(7)
+    V = 3
+    p1, q1 = _rand_dist(rng, V), _rand_dist(rng, V)
+    p2 = {x: _rand_dist(rng, V) for x in range(V)}
+    q2 = {x: _rand_dist(rng, V, zeros=x % 2) for x in range(V)}
+    joint: Counter = Counter()
+    for a, b in itertools.product(range(V), repeat=2):
+        for c, d, e, f in itertools.product(range(V), repeat=4):
+            w = q1[a] * q1[b] * q2[a][c] * q2[a][d] * q2[b][e] * q2[b][f]
+            if w == 0:
+                continue
+            tree = TokenTree.root(0)
+            na, nb = tree.add(0, a, q1), tree.add(0, b, q1)
+            for node, tok, x in ((na, c, a), (na, d, a), (nb, e, b), (nb, f, b)):
+                tree.add(node, tok, q2[x])
+            rows = {0: p1}
+            for node in range(1, len(tree)):
+                d1 = tree.depths[node] == 1
+                rows[node] = p2[tree.tokens[node]] if d1 else np.full(V, 1 / V)
+
+            def fn(r, tree=tree, rows=rows):
+                path, tok = accept_sampled(tree, rows.__getitem__, r)
+                toks = [tree.tokens[n] for n in path] + [tok, None]
+                return toks[0], toks[1], len(path)
+
+            for (x1, x2, n), pr in exact(fn).items():
+                joint[x1, x2, n] += w * pr
+    first = np.zeros(V)
+    for (x1, _, _), pr in joint.items():
+        first[x1] += pr
+    np.testing.assert_allclose(first, p1, atol=1e-12)
+    for x1 in range(V):
+        cond = np.zeros(V)
+        for (y1, x2, n), pr in joint.items():
+            if y1 == x1 and n >= 1:
+                cond[x2] += pr
+        np.testing.assert_allclose(cond / cond.sum(), p2[x1], atol=1e-9)
+
+
+def _no_residual_rule(tree, p, rng):
+    """Deliberately wrong: each sibling is tested against the verifier's p itself instead of
+    the residual left by the siblings rejected before it (no residual update)."""
+    row = p if callable(p) else p.__getitem__
+    node, path = 0, []
+    while True:
+        r = row(node)
+        nxt = None
+        for tok, q in tree.draws[node]:
+            if rng.random() < acceptance_probability(r, tok, q):
+                nxt = tree.children[node][tok]
+                break
+        if nxt is None:
+            last_tok, last_q = tree.draws[node][-1] if tree.draws[node] else (0, None)
+            final = after_rejection(r, last_tok, last_q) if tree.draws[node] else r
+            return path, tree_mod.sample(final, rng)
+        path.append(nxt)
+        node = nxt
+
+
+def test_enumeration_catches_a_rule_without_the_residual_update(exact):
+    rng = np.random.default_rng(1)
+    V = 4
+    p, q = _rand_dist(rng, V), _rand_dist(rng, V)
+    law = _first_token_law(exact, p, [q, q, q], [], _no_residual_rule, V)
+    assert np.abs(law - p).max() > 0.02
+    law = _first_token_law(exact, p, [], [0, 1], _no_residual_rule, V)
+    assert np.abs(law - p).max() > 0.02
+
+
+def test_rejection_helpers():
+    r = np.array([0.5, 0.3, 0.2])
+    assert acceptance_probability(r, 1, None) == pytest.approx(0.3)
+    assert acceptance_probability(r, 0, np.array([0.25, 0.5, 0.25])) == 1.0
+    assert acceptance_probability(r, 1, np.array([0.0, 0.6, 0.4])) == pytest.approx(0.5)
+    np.testing.assert_allclose(after_rejection(r, 0, None), [0, 0.6, 0.4])
+    np.testing.assert_allclose(after_rejection(r, 1, np.array([0.1, 0.6, 0.3])), [1, 0, 0])
+    # rejection impossible (r == q): the residual is defined as r itself
+    np.testing.assert_allclose(after_rejection(r, 0, r), r)
+
+
+# -- tree passes on the MLX model --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tree")
+    v = tiny.write_model(d / "v", seed=0, layers=2, scale=1.0)
+    dr = tiny.perturbed_copy(v, d / "d", noise=0.05)
+    return load_model(v).model, load_model(dr).model
+
+
+def _last_row(model, tokens) -> np.ndarray:
+    e = MLXEngine(model)
+    return e.feed(tokens, last_only=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_pass_equals_sequential_passes_per_path(models, seed):
+    model, _ = models
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(5, 96, 9).tolist()
+    tree = _random_tree(rng, prefix[-1], 14, 96)
+    eng = MLXTreeEngine(MLXEngine(model))
+    eng.feed(prefix[:-1])
+    logits = eng.feed_masked(tree.tokens, tree.positions(len(prefix) - 1), tree.ancestors())
+    assert logits.shape == (len(tree), 96) and eng.length == len(prefix) - 1 + len(tree)
+    for node in range(len(tree)):
+        ref = _last_row(model, prefix + tree.path_tokens(node))
+        np.testing.assert_allclose(logits[node], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_keep_subset_leaves_the_cache_as_if_only_the_path_was_appended(models, seed):
+    model, _ = models
+    rng = np.random.default_rng(10 + seed)
+    prefix = rng.integers(5, 96, 7).tolist()
+    tree = _random_tree(rng, prefix[-1], 12, 96)
+    leaf = max(range(len(tree)), key=lambda n: (tree.depths[n], n))
+    path = tree.path(leaf)
+    eng = MLXTreeEngine(MLXEngine(model))
+    eng.feed(prefix[:-1])
+    eng.feed_masked(tree.tokens, tree.positions(len(prefix) - 1), tree.ancestors())
+    eng.keep(len(tree), [0, *path])
+    seq = prefix + tree.path_tokens(leaf)
+    assert eng.length == len(seq)
+    fresh = MLXEngine(model)
+    fresh.feed(seq)
+    for mine, ref in zip(eng.engine.cache.layers, fresh.cache.layers):
+        n = len(seq)
+        np.testing.assert_allclose(
+            np.array(mine.keys[..., :n, :]), np.array(ref.keys[..., :n, :]), atol=1e-5
+        )
+        np.testing.assert_allclose(
+            np.array(mine.values[..., :n, :]), np.array(ref.values[..., :n, :]), atol=1e-5
+        )
+    nxt = [11, 12]
+    np.testing.assert_allclose(eng.feed(nxt), fresh.feed(nxt), atol=1e-4, rtol=1e-4)
+
+
+def test_draft_tree_expansion_level_by_level_equals_sequential(models):
+    """The draft grows a tree over several passes (mask over the whole cache, ancestors fed in
+    earlier passes) and commits the accepted path; both agree with plain sequential passes, for a
+    tree-capable engine and for one that can only feed chains."""
+    _, draft = models
+    rng = np.random.default_rng(3)
+    seq = rng.integers(5, 96, 8).tolist()
+    tree = _random_tree(rng, seq[-1], 10, 96)
+    for engine in (MLXTreeEngine(MLXEngine(draft)), MLXEngine(draft)):
+        st = DraftState(engine, 96)
+        st.reset(seq)
+        np.testing.assert_allclose(st.sync(seq), _last_row(draft, seq), atol=1e-4, rtol=1e-4)
+        inner = [n for n in range(1, len(tree)) if tree.children[n]]
+        for depth in range(1, tree.max_depth + 1):
+            level = [n for n in inner if tree.depths[n] == depth]
+            if not level:
+                break
+            rows = st.expand(tree, level)
+            for n, row in zip(level, rows):
+                ref = _last_row(draft, seq + tree.path_tokens(n))
+                np.testing.assert_allclose(row, ref, atol=1e-4, rtol=1e-4)
+        deepest = max(inner, key=lambda n: tree.depths[n])
+        st.commit(tree, tree.path(deepest))
+        full = seq + tree.path_tokens(deepest)
+        np.testing.assert_allclose(st.sync(full + [9]), _last_row(draft, full + [9]), atol=1e-4)
+
+
+# -- greedy: every method is token-identical to the verifier alone ---------------------------------
+
+
+def _plain_greedy(model, prompt, n, eos=()):
+    e = MLXEngine(model)
+    out = []
+    logits = e.feed(prompt, last_only=True)
+    for _ in range(n):
+        t = int(np.argmax(logits))
+        if t in eos:
+            break
+        out.append(t)
+        logits = e.feed([t], last_only=True)
+    return out
+
+
+def _prompts(model):
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(6):
+        p = rng.integers(5, 96, 5).tolist()
+        out.append(p * 4 if i % 2 else p)  # repetitive prompts give the lookups something
+    # the verifier's own continuation repeated: prompt lookup has whole blocks to copy
+    base = rng.integers(5, 96, 4).tolist()
+    out.append(base + _plain_greedy(model, base, 24) + base)
+    return out
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ONDEVICE_HOME", str(tmp_path_factory.mktemp("home")))
+    yield
+    mp.undo()
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS])
+@pytest.mark.parametrize("k", [None, 2, 5])
+def test_greedy_output_is_the_verifiers_for_every_method(models, home, method, k):
+    ver, dra = models
+    accepted = 0
+    for prompt in _prompts(ver):
+        ref = _plain_greedy(ver, prompt, 40)
+        dec = make_decoder(
+            method, MLXEngine(ver), MLXEngine(dra), SamplingParams(), seed=0, num_draft_tokens=k
+        )
+        got = [t for r in dec.run(prompt, 40) for t in r.tokens]
+        assert got == ref, (method, k, prompt)
+        accepted += dec.stats.accepted
+    assert accepted > 10  # the method did speculate (and was right) along the way
+
+
+@pytest.mark.parametrize("method", ["pld", "lookahead"])
+def test_draft_free_methods_run_without_a_draft(models, home, method):
+    ver, _ = models
+    prompt = _prompts(ver)[-1]
+    dec = make_decoder(method, MLXEngine(ver), None, SamplingParams(), num_draft_tokens=6)
+    got = [t for r in dec.run(prompt, 30) for t in r.tokens]
+    assert got == _plain_greedy(ver, prompt, 30)
+    assert dec.stats.accepted > 0
+
+
+def test_static_and_sampled_tree_modes_are_greedy_exact(models, home):
+    ver, dra = models
+    for prompt in _prompts(ver)[:3]:
+        dec = make_decoder(
+            "tree", MLXEngine(ver), MLXEngine(dra), SamplingParams(), tree_mode="sampled"
+        )
+        assert [t for r in dec.run(prompt, 30) for t in r.tokens] == _plain_greedy(ver, prompt, 30)
+
+
+@pytest.mark.parametrize("method", ["tree", "pld", "lookahead", "cascade", "auto"])
+def test_eos_inside_an_accepted_block_ends_generation(models, home, method):
+    ver, dra = models
+    prompt = _prompts(ver)[-1]
+    ref = _plain_greedy(ver, prompt, 40)
+    eos = ref[12]  # a token the verifier emits mid-answer
+    dec = make_decoder(
+        method, MLXEngine(ver), MLXEngine(dra), SamplingParams(), eos_token_ids=[eos]
+    )
+    rounds = list(dec.run(prompt, 40))
+    got = [t for r in rounds for t in r.tokens]
+    assert got == ref[: ref.index(eos)] and rounds[-1].finish_reason == "stop"
+
+
+def test_max_tokens_and_context_limits(models, home):
+    ver, dra = models
+    prompt = _prompts(ver)[1]
+    for method in ("tree", "pld", "lookahead", "cascade"):
+        rounds = list(
+            make_decoder(method, MLXEngine(ver), MLXEngine(dra), SamplingParams()).run(prompt, 7)
+        )
+        assert sum(len(r.tokens) for r in rounds) == 7 and rounds[-1].finish_reason == "length"
+        short = MLXEngine(ver, context_length=len(prompt) + 5)
+        rounds = list(make_decoder(method, short, MLXEngine(dra), SamplingParams()).run(prompt, 50))
+        assert sum(len(r.tokens) for r in rounds) == 5 and rounds[-1].finish_reason == "length"
+
+
+def test_bad_method_and_missing_draft_are_clear(models):
+    from ondevice.errors import OndeviceError
+
+    ver, _ = models
+    with pytest.raises(OndeviceError, match="unknown method"):
+        make_decoder("beam", MLXEngine(ver), None, SamplingParams())
+    with pytest.raises(OndeviceError, match="needs a draft model"):
+        make_decoder("tree", MLXEngine(ver), None, SamplingParams())
+
+
+# -- sampling: the joint law of the first two tokens -----------------------------------------------
+
+
+class MemoTreeEngine:
+    """The real MLX model as a tree-capable engine whose answers are memoised per context.
+
+    The engine keeps the token sequence of its cache; a token's output is the model's output
+    after the tokens it can see (in cache order), which is exactly what a tree pass computes
+    (the tree pass itself is checked against sequential passes above). The decoder and proposers
+    under test run unchanged; the model is just never asked twice about the same context."""
+
+    name = "memo"
+
+    def __init__(self, model):
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.context_length = 512
+        self.seq: list[int] = []
+        self.memo: dict[tuple[int, ...], np.ndarray] = {}
+
+    @property
+    def length(self):
+        return len(self.seq)
+
+    def reset(self):
+        self.seq = []
+
+    def trim(self, n):
+        self.seq = self.seq[: len(self.seq) - n]
+
+    def keep(self, n_recent, indices):
+        tail = self.seq[len(self.seq) - n_recent :]
+        self.seq = self.seq[: len(self.seq) - n_recent] + [tail[i] for i in indices]
+
+    def row(self, context) -> np.ndarray:
+        key = tuple(context)
+        if key not in self.memo:
+            logits = np.array(self.model(mx.array([list(key)]))[0].astype(mx.float32))
+            for i in range(len(key)):  # one pass answers every prefix
+                self.memo.setdefault(key[: i + 1], logits[i])
+        return self.memo[key]
+
+    def feed(self, tokens, last_only=False):
+        rows = []
+        for t in tokens:
+            self.seq.append(int(t))
+            rows.append(self.row(self.seq))
+        return rows[-1] if last_only else np.stack(rows)
+
+    def feed_masked(self, tokens, positions, visible):
+        n_old = len(self.seq)
+        L = len(tokens)
+        if visible.shape[1] == L:
+            visible = np.concatenate([np.ones((L, n_old), bool), visible], 1)
+        allseq = self.seq + [int(t) for t in tokens]
+        rows = []
+        for i in range(L):
+            ctx = [allseq[j] for j in np.flatnonzero(visible[i])]
+            assert len(ctx) - 1 == positions[i], "positions disagree with the visible path"
+            rows.append(self.row(ctx))
+        self.seq = allseq
+        return np.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sv")
+    kw = dict(vocab_size=16, hidden_size=32, heads=2, kv_heads=1, intermediate=64, layers=1)
+    v = tiny.write_model(d / "v", scale=0.6, **kw)
+    dr = tiny.perturbed_copy(v, d / "d", noise=0.8)
+    return MemoTreeEngine(load_model(v).model), MemoTreeEngine(load_model(dr).model)
+
+
+N_SAMPLES = 20_000
+PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]  # repeats: prompt lookup (inside the cascade too) has guesses
+
+
+def _exact_joint(ver, params, prompt):
+    p1 = probabilities(ver.row(prompt), params)
+    return {
+        (a, b): p1[a] * probabilities(ver.row([*prompt, a]), params)[b]
+        for a in range(len(p1))
+        if p1[a] > 0
+        for b in range(len(p1))
+    }
+
+
+def _chi2_pvalue(counts, expected, n):
+    """Pearson chi-square over cells with expected count >= 5; rarer cells pooled."""
+    obs, exp = [], []
+    rest_o = rest_e = 0.0
+    for cell, pr in expected.items():
+        if pr * n >= 5:
+            obs.append(counts.get(cell, 0))
+            exp.append(pr * n)
+        else:
+            rest_o += counts.get(cell, 0)
+            rest_e += pr * n
+    if n - sum(obs) - rest_o:  # samples where the verifier has probability zero
+        return 0.0
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    obs, exp = np.array(obs), np.array(exp)
+    return float(chi2.sf(((obs - exp) ** 2 / exp).sum(), len(obs) - 1))
+
+
+def _joint_counts(method, ver, dra, params, rule=None, **kw):
+    dec = make_decoder(
+        method, ver, dra, params, seed=1234, num_draft_tokens=3, profile=False, rule=rule, **kw
+    )
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for _ in range(N_SAMPLES):
+        toks: list[int] = []
+        for r in dec.run(PROMPT, 3):  # room for a depth-2 tree in the first round
+            toks.extend(r.tokens)
+            if len(toks) >= 2:
+                break
+        counts[tuple(toks[:2])] += 1
+    drafted, accepted = dec.stats.drafted, dec.stats.accepted
+    return counts, drafted, accepted
+
+
+CASES = [
+    ("tree", SamplingParams(1.0), {"tree_mode": "dynamic"}),
+    ("tree", SamplingParams(1.0), {"tree_mode": "sampled"}),
+    ("tree", SamplingParams(1.0, top_p=0.9), {"tree_mode": "sampled"}),
+    ("cascade", SamplingParams(1.0), {}),
+    ("pld", SamplingParams(1.0), {}),
+    ("lookahead", SamplingParams(1.0), {}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method,params,kw", CASES, ids=["eagle", "specinfer", "specinfer-top-p", "cascade", "pld", "la"]
+)
+def test_sampled_methods_match_the_verifier_distribution(small_vocab, method, params, kw):
+    ver, dra = small_vocab
+    counts, drafted, accepted = _joint_counts(method, ver, dra, params, **kw)
+    assert drafted > N_SAMPLES and accepted > N_SAMPLES // 50  # proposals were made and used
+    assert _chi2_pvalue(counts, _exact_joint(ver, params, PROMPT), N_SAMPLES) > 0.001
+
+
+@pytest.mark.slow
+def test_a_tree_rule_without_the_residual_update_fails_the_test(small_vocab):
+    ver, dra = small_vocab
+    params = SamplingParams(1.0)
+    counts, _, _ = _joint_counts(
+        "tree", ver, dra, params, rule=_no_residual_rule, tree_mode="sampled"
+    )
+    assert _chi2_pvalue(counts, _exact_joint(ver, params, PROMPT), N_SAMPLES) < 1e-6
