@@ -79,7 +79,9 @@ def predict(rounds, verify_calls, draft_calls, host, pipelined: bool) -> float:
 
 def run_sequential(V, D, prompt, params, args, eos):
     rv, rd = Recording(V), Recording(D)
-    dec = SpeculativeDecoder(rv, rd, params, eos_token_ids=eos, seed=args.seed)
+    dec = SpeculativeDecoder(
+        rv, rd, params, eos_token_ids=eos, seed=args.seed, num_draft_tokens=args.k
+    )
     rounds, n = [], 0
     for r in dec.run(prompt, args.max_tokens):
         rounds.append((r.drafted, r.accepted))
@@ -100,18 +102,22 @@ def run_sequential(V, D, prompt, params, args, eos):
 
 
 def run_pipelined(V, D, prompt, params, args, eos):
-    dec = PipelinedDecoder(V, D, params, eos_token_ids=eos, seed=args.seed)
+    dec = PipelinedDecoder(V, D, params, eos_token_ids=eos, seed=args.seed, num_draft_tokens=args.k)
     rounds, n = [], 0
     for r in dec.run(prompt, args.max_tokens):
         rounds.append((r.drafted, r.accepted))
         n += len(r.tokens)
     wall = dec._t_end - dec._t_start
     host = float(np.mean(dec.calls["host"])) if dec.calls["host"] else 0.0
+    # drafting that the verifier waited for (drafting ahead is hidden behind its passes)
+    draft = [dt for dt, ahead in dec.calls["draft"] if not ahead] or [
+        dt for dt, _ in dec.calls["draft"]
+    ]
     return {
         "tokens": n,
         "seconds": wall,
         "tps": n / wall,
-        "predicted_tps": predict(rounds, dec.calls["verify"], dec.calls["draft"], host, True),
+        "predicted_tps": predict(rounds, dec.calls["verify"], draft, host, True),
         "rounds": len(rounds),
         "drafted": dec.stats.drafted,
         "accepted": dec.stats.accepted,
@@ -130,6 +136,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temp", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--k", type=int, default=None, help="fixed draft length for both decoders")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -156,7 +163,7 @@ def main() -> None:
     # warm-up (graph caches, allocations)
     warm = tok.encode("Hello", add_special_tokens=False)
     for fn in (run_sequential, run_pipelined):
-        fn(V, D, warm, params, argparse.Namespace(max_tokens=8, seed=0), eos)
+        fn(V, D, warm, params, argparse.Namespace(max_tokens=8, seed=0, k=args.k), eos)
 
     results = []
     for i, (cat, texts) in enumerate(by_cat.items()):
