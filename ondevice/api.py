@@ -20,6 +20,10 @@ from ondevice.speculative.decoder import Round, SpeculativeDecoder
 from ondevice.speculative.sampling import SamplingParams
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
+METHODS = ("chain", "tree", "pld", "lookahead", "cascade", "auto")
+# Draft backends on other hardware than the verifier, where overlapping the two pays; see
+# docs/benchmarks.md for the CPU measurements that decide the rest.
+PIPELINE_BY_DEFAULT = ("coreml",)
 
 
 @dataclass
@@ -145,9 +149,18 @@ class Generator:
         speculative: bool = True,
         stop: str | Sequence[str] | None = None,
         chat_template: bool = True,
+        method: str = "chain",
+        pipeline: bool | None = None,
         _cancel: threading.Event | None = None,
     ) -> Iterator[Chunk]:
-        """Yield chunks as tokens are decided; the last chunk carries finish_reason and stats."""
+        """Yield chunks as tokens are decided; the last chunk carries finish_reason and stats.
+
+        method: "chain" (a draft chain, the default), "tree" (a token tree verified in one
+        pass), "pld" (prompt lookup, no draft needed), "lookahead" (no draft needed),
+        "cascade" (the draft itself sped up by prompt lookup) or "auto".
+        pipeline: overlap drafting with verification (chain only); None picks what is faster
+        for the draft backend. Every choice gives the same tokens for the same seed.
+        """
         try:
             params = SamplingParams(float(temperature), float(top_p), int(top_k))
         except ValueError as e:
@@ -159,30 +172,62 @@ class Generator:
         if not self._lock.acquire(blocking=False):
             raise OndeviceError("this model is already generating; wait for it to finish.")
         try:
-            yield from self._stream(
-                ids, max_tokens, params, seed, num_draft_tokens, speculative, stops, _cancel
-            )
+            dec = self._decoder(params, seed, num_draft_tokens, speculative, method, pipeline)
+            yield from self._stream(dec, ids, max_tokens, stops, _cancel)
         finally:
+            # Drop the caches: their arrays belong to this thread's MLX stream, which must not
+            # outlive the thread (servers and chat apps generate in worker threads).
+            self.verifier.reset()
+            if self.draft is not None:
+                self.draft.reset()
             self._lock.release()
 
-    def _decoder(self, params, seed, num_draft_tokens, speculative):
+    def _decoder(self, params, seed, num_draft_tokens, speculative, method, pipeline):
         eos = self.tokenizer.eos_token_ids
-        use_draft = speculative and self.draft is not None and num_draft_tokens != 0
-        if not use_draft and params.greedy:
-            from ondevice.runtime.plain import PlainGreedyDecoder
+        if method not in METHODS:
+            raise OndeviceError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}.")
+        draft = self.draft if speculative else None
+        if speculative and method != "chain":
+            from ondevice.runtime.tree_decoder import make_decoder
 
-            return PlainGreedyDecoder(self.verifier, eos)
+            return make_decoder(
+                method,
+                self.verifier,
+                draft,
+                params,
+                eos_token_ids=eos,
+                seed=seed,
+                num_draft_tokens=num_draft_tokens,
+            )
+        if draft is None or num_draft_tokens == 0:
+            if params.greedy:
+                from ondevice.runtime.plain import PlainGreedyDecoder
+
+                return PlainGreedyDecoder(self.verifier, eos)
+            return SpeculativeDecoder(self.verifier, None, params, eos_token_ids=eos, seed=seed)
+        if pipeline is None:
+            pipeline = self.draft_backend in PIPELINE_BY_DEFAULT
+        if pipeline:
+            from ondevice.runtime.pipeline import PipelinedDecoder
+
+            return PipelinedDecoder(
+                self.verifier,
+                draft,
+                params,
+                eos_token_ids=eos,
+                seed=seed,
+                num_draft_tokens=num_draft_tokens,
+            )
         return SpeculativeDecoder(
             self.verifier,
-            self.draft if use_draft else None,
+            draft,
             params,
             eos_token_ids=eos,
             seed=seed,
             num_draft_tokens=num_draft_tokens,
         )
 
-    def _stream(self, ids, max_tokens, params, seed, num_draft_tokens, speculative, stops, cancel):
-        dec = self._decoder(params, seed, num_draft_tokens, speculative)
+    def _stream(self, dec, ids, max_tokens, stops, cancel):
         detok = self.tokenizer.detokenizer()
         matcher = _StopMatcher(stops)
         tokens: list[int] = []
@@ -234,6 +279,7 @@ class Generator:
             "total_seconds": elapsed,
             "peak_memory_bytes": int(mx.get_peak_memory()),
             "draft_backend": self.draft_backend if s.drafted else None,
+            **(dec.extra_stats() if hasattr(dec, "extra_stats") else {}),
         }
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:

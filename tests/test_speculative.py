@@ -506,3 +506,62 @@ def test_closing_astream_early_stops_the_worker(gen):
     asyncio.run(first_then_close())
     assert not [t for t in threading.enumerate() if t.name == "ondevice-generate"]
     assert gen.generate("hi", max_tokens=4).tokens  # the model is free again
+
+
+@pytest.mark.parametrize("method", ["chain", "tree", "pld", "lookahead", "cascade", "auto"])
+def test_every_method_through_the_api_is_lossless(gen, method):
+    for prompt in ("hello world hello world", "abcabcabc", "the cat sat"):
+        plain = gen.generate(prompt, max_tokens=24, speculative=False)
+        assert gen.generate(prompt, max_tokens=24, method=method).tokens == plain.tokens
+
+
+def test_pipeline_switch_keeps_tokens_and_reports_overlap(gen):
+    greedy = gen.generate("hello world", max_tokens=24, speculative=False).tokens
+    on = gen.generate("hello world", max_tokens=24, pipeline=True)
+    off = gen.generate("hello world", max_tokens=24, pipeline=False)
+    assert on.tokens == off.tokens == greedy
+    assert "overlap" in on.stats and 0.0 <= on.stats["overlap"] <= 1.0
+    a = gen.generate("hello", max_tokens=24, temperature=1.0, seed=5, pipeline=True)
+    b = gen.generate("hello", max_tokens=24, temperature=1.0, seed=5, pipeline=False)
+    assert a.tokens == b.tokens
+
+
+def test_unknown_method_is_a_clear_error(gen):
+    with pytest.raises(OndeviceError, match="unknown method"):
+        gen.generate("x", method="magic")
+
+
+def test_generate_cli_method_and_pipeline_flags(pair):
+    import subprocess
+    import sys
+
+    def run(*extra):
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ondevice",
+                "generate",
+                "--model",
+                str(pair[0]),
+                "--draft",
+                str(pair[1]),
+                "--prompt",
+                "hello world",
+                "--max-tokens",
+                "12",
+                "--json",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    base = run("--no-speculative")
+    assert run("--method", "tree")["tokens"] == base["tokens"]
+    piped = run("--pipeline")
+    assert piped["tokens"] == base["tokens"] and "overlap" in piped["stats"]
+    assert run("--no-pipeline")["tokens"] == base["tokens"]

@@ -44,6 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--num-draft-tokens", type=int, metavar="K", help="fixed draft length (default: adaptive)"
     )
     g.add_argument("--no-speculative", action="store_true", help="run the verifier alone")
+    g.add_argument("--method", default="chain",
+                   choices=["chain", "tree", "pld", "lookahead", "cascade", "auto"],
+                   help="how tokens are proposed (pld and lookahead need no draft)")
+    g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap drafting with verification (default: where it is faster)")
     g.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
     p.set_defaults(func=run)
@@ -81,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         speculative=not args.no_speculative,
         stop=args.stop,
         chat_template=not args.no_chat_template,
+        method=args.method,
+        pipeline=args.pipeline,
     )
     if args.json:
         r = gen.generate(prompt, **kwargs)
