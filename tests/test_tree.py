@@ -13,6 +13,7 @@ import pytest
 import tiny
 from scipy.stats import chi2
 
+import ondevice.speculative.proposers as proposers_mod
 import ondevice.speculative.tree as tree_mod
 from ondevice.models import load_model
 from ondevice.runtime.engines import MLXEngine
@@ -44,6 +45,7 @@ def test_tree_structure_mask_positions_and_subtree():
     t = TokenTree.root(7)
     a = t.add(0, 3)
     b = t.add(0, 4)
+    assert b == 2 and t.children[0] == {3: a, 4: b}
     c = t.add(a, 5)
     assert t.add(0, 3) == a  # same token under the same parent: same node
     assert t.draws[0] == [(3, None), (4, None)]  # a repeated deterministic draw is dropped
@@ -138,6 +140,7 @@ def exact(monkeypatch):
         return real(p, rng)
 
     monkeypatch.setattr(tree_mod, "sample", recording_sample)
+    monkeypatch.setattr(proposers_mod, "sample", recording_sample)
 
     def integrate(fn) -> Counter:
         out: Counter = Counter()

@@ -297,6 +297,19 @@ def _budget(
     return lambda values: best_size(np.asarray(values)[:cap], verify, fixed, per_node)
 
 
+def lookahead_size(verify: CostProfile | None, k: int | None = None) -> dict[str, int]:
+    """Window, n-gram and candidate counts for lookahead decoding. The pass carries
+    1 + (window + candidates) * (ngram - 1) tokens; on hardware where a pass costs about the same
+    whatever its size (GPUs) use a wide window, where cost grows with tokens (CPUs) spend at most
+    about one extra pass's worth of time on guesses."""
+    ngram = 4 if k is None else max(2, min(k, 6) + 1)
+    for width in (8, 6, 4, 3, 2, 1):
+        tokens = 1 + 2 * width * (ngram - 1)
+        if verify is None or verify(tokens) <= 2.0 * verify(1) or width == 1:
+            return {"window": width, "ngram": ngram, "candidates": width}
+    raise AssertionError("unreachable")
+
+
 def make_decoder(
     method: str,
     verifier: Engine,
@@ -341,7 +354,7 @@ def make_decoder(
     def tree_proposer() -> DraftTreeProposer:
         depth = k or 6
         topk = 4
-        fixed = (float(dprof(1)) + (depth - 1) * float(dprof(topk))) if dprof else 0.0
+        fixed = float(dprof(1)) if dprof else 0.0  # the draft catching up: once per round
         if tree_mode == "sampled":
             shape = [(0,) * d for d in range(1, depth + 1)] + [(1,), (2,), (0, 1), (1, 0)]
             return DraftTreeProposer(
@@ -350,6 +363,8 @@ def make_decoder(
         return DraftTreeProposer(
             state, verifier.vocab_size, params, mode="dynamic", depth=depth, topk=topk,
             budget=_budget(vprof, fixed),
+            expand_cost=float(dprof(topk)) if dprof else 0.0,
+            token_value=float(vprof(1)) if vprof else 0.0,
         )  # fmt: skip
 
     def pld() -> PromptLookup:
@@ -357,7 +372,7 @@ def make_decoder(
         return PromptLookup(max_tokens=k or 10, budget=None if k else _budget(vprof))
 
     def lookahead() -> Lookahead:
-        return Lookahead(window=min(k or 4, 8))
+        return Lookahead(**lookahead_size(vprof, k))
 
     def cascade() -> CascadeProposer:
         per = float(dprof(1)) if dprof else 0.0

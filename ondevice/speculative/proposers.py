@@ -197,14 +197,25 @@ class DraftState:
 # -- draft-model trees -----------------------------------------------------------------------------
 
 
+def top_tokens(d: np.ndarray, k: int) -> np.ndarray:
+    """The k most probable tokens, best first (ties: lower id first), without sorting all."""
+    if k >= len(d):
+        return np.argsort(-d, kind="stable")
+    part = np.argpartition(-d, k - 1)[:k]
+    return part[np.lexsort((part, -d[part]))]
+
+
 class DraftTreeProposer:
     """A draft model proposes a chain, a static tree, or a dynamic (EAGLE-2) tree.
 
-    mode "dynamic": `depth` levels; at each level the `topk` most valuable frontier nodes are fed
-        to the draft in one pass and each gets its `topk` best children; a node's value is the
-        product of draft probabilities along its path. The verifier then sees the best
-        `budget(values)` nodes (ancestors always score at least as high as their descendants, so
-        the best N form a tree).
+    mode "dynamic": up to `depth` levels; at each level the `topk` most valuable frontier nodes
+        are fed to the draft in one pass and each gets its `topk` best children. A node's value
+        estimates the probability that the verifier accepts it: the product of draft
+        probabilities along its path, calibrated per depth by the acceptance actually observed
+        (a weak draft is overconfident). The verifier then sees the best `budget(values)` nodes
+        (a node never scores above its parent, so the best N form a tree). Growth stops early
+        when the next level's expected accepted tokens, worth `token_value` seconds each, no
+        longer pay for a draft pass of `expand_cost` seconds.
     mode "static": the tree `shape` (rank paths, see tree.py) filled with the draft's ranked
         children, or with i.i.d. draft samples when `sampled` (SpecInfer).
     mode "chain": a static shape of one path of length `budget`.
@@ -225,6 +236,8 @@ class DraftTreeProposer:
         budget: BudgetFn | int = 16,
         shape: Sequence[Sequence[int]] = CHAIN_4,
         sampled: bool = False,
+        expand_cost: float = 0.0,
+        token_value: float = 0.0,
         name: str = "tree",
     ):
         if mode not in ("dynamic", "static", "chain"):
@@ -239,8 +252,14 @@ class DraftTreeProposer:
         self.budget = fixed_budget(budget) if isinstance(budget, int) else budget
         self.shape = check_shape(shape)
         self.sampled = sampled and not params.greedy
+        self.expand_cost, self.token_value = expand_cost, token_value
+        # per depth: summed predicted acceptance of the verified nodes, and rounds that accepted
+        # that deep (prior: one round of perfect calibration)
+        self.predicted = np.ones(depth + 2)
+        self.realised = np.ones(depth + 2)
         self._cand: TokenTree | None = None
         self._kept: list[int] = []
+        self._depth_pred: np.ndarray | None = None
 
     def reset(self, prompt: Sequence[int]) -> None:
         self.state.reset(prompt)
@@ -250,8 +269,13 @@ class DraftTreeProposer:
             return softmax(logits)
         return probabilities(logits, self.params)
 
+    def calibration(self, depth: int) -> float:
+        d = min(depth, len(self.predicted) - 1)
+        return float(min(1.0, self.realised[d] / self.predicted[d]))
+
     def propose(self, seq: list[int], max_depth: int, rng: np.random.Generator) -> TokenTree:
         root_logits = self.state.sync(seq)
+        self._depth_pred = None
         if self.mode == "dynamic":
             cand, kept, tree = self._dynamic(seq[-1], root_logits, max_depth)
         else:
@@ -268,28 +292,40 @@ class DraftTreeProposer:
         self, root: int, root_logits: np.ndarray, max_depth: int
     ) -> tuple[TokenTree, list[int], TokenTree]:
         cand = TokenTree.root(root)
-        value = [1.0]
+        raw = [1.0]  # product of draft probabilities along the path
+        value = [1.0]  # calibrated, and never above the parent's
         dists = {0: self._dist(root_logits)}
         frontier = [0]
-        for level in range(1, min(self.depth, max_depth) + 1):
+        depth = min(self.depth, max_depth)
+        for level in range(1, depth + 1):
             grown = []
+            c = self.calibration(level)
             for node in frontier:
                 d = dists[node]
-                for tok in np.argsort(-d, kind="stable")[: self.topk]:
+                for tok in top_tokens(d, self.topk):
                     if d[tok] <= 0:
                         break
                     child = cand.add(node, int(tok))
-                    value.append(value[node] * float(d[tok]))
+                    raw.append(raw[node] * float(d[tok]))
+                    value.append(min(value[node], raw[-1] * c))
                     grown.append(child)
-            if level == min(self.depth, max_depth) or not grown:
+            if level == depth or not grown:
                 break
             frontier = sorted(grown, key=lambda n: -value[n])[: self.topk]
+            # the next level can add at most the frontier's (calibrated) value in tokens
+            gain = sum(value[n] for n in frontier) * self.calibration(level + 1) / max(c, 1e-9)
+            if gain * self.token_value < self.expand_cost:
+                break
             for node, row in zip(frontier, self.state.expand(cand, frontier)):
                 dists[node] = self._dist(row)
         vals = np.array(value[1:])
         order = np.argsort(-vals, kind="stable") + 1  # parents precede children on ties
         n = max(1, min(int(self.budget(vals[order - 1])), len(order)))
         tree, kept = cand.subtree(order[:n].tolist())
+        pred = np.zeros(len(self.predicted))
+        for node in kept[1:]:
+            pred[min(cand.depths[node], len(pred) - 1)] += raw[node]
+        self._depth_pred = pred
         return cand, kept, tree
 
     def _static(
@@ -328,8 +364,7 @@ class DraftTreeProposer:
                     tok = sample(d, rng)
                     node = tree.add(parent, tok, d)
                 else:
-                    ranked = np.argsort(-d, kind="stable")
-                    tok = int(ranked[p[-1]])
+                    tok = int(top_tokens(d, p[-1] + 1)[p[-1]])
                     if d[tok] <= 0:
                         continue
                     node = tree.add(parent, tok)
@@ -340,6 +375,11 @@ class DraftTreeProposer:
     def observe(self, seq, tree, path, token, target) -> None:
         assert self._cand is not None
         self.state.commit(self._cand, [self._kept[n] for n in path])
+        if self._depth_pred is not None:
+            depths = np.arange(len(self.predicted))
+            tried = self._depth_pred > 0
+            self.predicted += self._depth_pred
+            self.realised += tried & (depths >= 1) & (depths <= len(path))
 
 
 # -- prompt lookup -------------------------------------------------------------------------------

@@ -1,0 +1,331 @@
+"""Proposers and cost profiles: prompt lookup, lookahead's window and pool, the draft cache
+bookkeeping, the cascade's draft chain, auto selection, and the per-device cost profile."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from test_tree import exact  # noqa: F401  (the exact-integration fixture)
+
+from ondevice.runtime.tree_decoder import AutoProposer
+from ondevice.runtime.treecost import CostProfile, best_size, engine_key, load_profile
+from ondevice.speculative.proposers import (
+    AcceptanceModel,
+    CascadeProposer,
+    DraftState,
+    DraftTreeProposer,
+    Lookahead,
+    NgramIndex,
+    PromptLookup,
+)
+from ondevice.speculative.sampling import SamplingParams
+from ondevice.speculative.tree import TokenTree
+
+V = 12
+
+
+class CycleEngine:
+    """A numpy 'model' that predicts the next token of a fixed cycle (with some spread), and
+    counts its passes and fed tokens. Good enough to check bookkeeping exactly."""
+
+    name = "cycle"
+    vocab_size = V
+    context_length = 200
+
+    def __init__(self, cycle=(5, 6, 7, 8), sharp: float = 4.0):
+        self.nxt = {a: b for a, b in zip(cycle, cycle[1:] + cycle[:1])}
+        self.sharp = sharp
+        self.seq: list[int] = []
+        self.passes = 0
+        self.fed = 0
+
+    @property
+    def length(self):
+        return len(self.seq)
+
+    def reset(self):
+        self.seq = []
+
+    def trim(self, n):
+        self.seq = self.seq[: len(self.seq) - n]
+
+    def _row(self, t):
+        row = np.zeros(V, np.float32)
+        row[self.nxt.get(t, (t + 1) % V)] = self.sharp
+        row[(t + 3) % V] = self.sharp / 2
+        return row
+
+    def feed(self, tokens, last_only=False):
+        self.passes += 1
+        self.fed += len(tokens)
+        self.seq.extend(int(t) for t in tokens)
+        rows = np.stack([self._row(t) for t in tokens])
+        return rows[-1] if last_only else rows
+
+
+class TreeCycleEngine(CycleEngine):
+    """The same, with tree passes (its output depends on the last token only, so a tree pass is
+    just the rows of the fed tokens) and keep-subset."""
+
+    def feed_masked(self, tokens, positions, visible):
+        return self.feed(tokens)
+
+    def keep(self, n_recent, indices):
+        tail = self.seq[len(self.seq) - n_recent :]
+        self.seq = self.seq[: len(self.seq) - n_recent] + [tail[i] for i in indices]
+
+
+# -- prompt lookup --------------------------------------------------------------------------------
+
+
+def test_ngram_index_prefers_longest_and_most_recent_matches():
+    idx = NgramIndex(1, 3)
+    idx.extend([1, 2, 3, 9, 1, 2, 3, 8, 4, 2, 3])
+    # suffix (2, 3) ... longest earlier match is the 3-gram (4, 2, 3)? no: only (2, 3) recurs
+    assert idx.continuations(2, 5) == [[8, 4], [9, 1]]
+    idx.extend([1, 2, 3, 9, 1, 2, 3, 8, 4, 2, 3, 8])  # (3, 8) occurred once before
+    assert idx.continuations(3, 5) == [[4, 2, 3]]
+    assert idx.continuations(3, 1) == [[4, 2, 3]]
+    idx.extend([7, 7])  # not an extension: re-indexed from scratch
+    assert idx.seq == [7, 7] and idx.continuations(3, 5) == [[7]]
+    idx.extend([7, 7, 6])
+    assert idx.continuations(3, 5) == []
+
+
+def test_prompt_lookup_builds_a_tree_of_continuations_within_budget():
+    pld = PromptLookup(max_tokens=4, branches=3)
+    pld.reset([])
+    seq = [1, 2, 3, 9, 1, 2, 3, 8, 4, 2, 3]
+    tree = pld.propose(seq, 10, np.random.default_rng(0))
+    assert tree.tokens[0] == 3
+    paths = sorted(tree.path_tokens(n) for n in range(len(tree)) if not tree.children[n])
+    assert paths == [[8, 4, 2, 3], [9, 1, 2, 3]]
+    assert all(q is None for d in tree.draws for _, q in d)  # deterministic proposals
+    assert pld.propose(seq, 2, np.random.default_rng(0)).max_depth == 2
+    capped = PromptLookup(max_tokens=4, branches=3, budget=3)
+    capped.reset([])
+    assert capped.propose(seq, 10, np.random.default_rng(0)).size == 3
+    assert pld.propose([1, 2, 5], 10, np.random.default_rng(0)).size == 0  # nothing to copy
+
+
+def test_acceptance_model():
+    m = AcceptanceModel()
+    assert m.rate == 0.5
+    m.update(4, 4)  # all accepted: no rejection observed
+    m.update(4, 1)
+    assert m.rate == pytest.approx((1 + 5) / (1 + 5 + 1 + 1))
+    np.testing.assert_allclose(m.values(3), m.rate ** np.arange(1, 4))
+
+
+# -- lookahead ----------------------------------------------------------------------------------
+
+
+def test_lookahead_window_layout_pool_and_update():
+    la = Lookahead(window=3, ngram=3, candidates=2, seed=0)
+    prompt = [4, 5, 6, 4, 5, 7]
+    la.reset(prompt)
+    la.grid = [[1, 2, 3], [10, 11, 9]]
+    seq = [*prompt, 4]
+    tree = la.propose(seq, 10, np.random.default_rng(0))
+    # candidates from the pool: 3-grams of the text starting with 4 -> (5, 7), (5, 6)
+    assert tree.path_tokens(tree.children[0][5]) == [5]
+    assert sorted(tree.children[tree.children[0][5]]) == [6, 7]
+    # window: row 0 is a chain after the root, column j hangs below cell (0, j)
+    cells = la._cells
+    assert [tree.tokens[cells[0, j]] for j in range(3)] == [1, 2, 3]
+    assert tree.path_tokens(cells[1, 2]) == [1, 2, 3, 9]
+    assert all(tree.depths[cells[r, j]] == j + r + 1 for r, j in cells)
+    target = np.zeros(len(tree), int)
+    for (r, j), node in cells.items():
+        target[node] = 20 + 10 * r + j  # the verifier's argmax after each cell
+    # accept nothing; the verifier's token after the root is 5
+    la.observe(seq, tree, [], 5, target)
+    assert (1, 10, 30) in [(k, *v) for k, vs in la.pool.items() for v in vs]  # column 0 n-gram
+    assert la.grid[0] == [10, 11, 9] and la.grid[1] == [30, 31, 32]
+    # accepting two tokens shifts the window left by one more
+    la.grid = [[1, 2, 3], [10, 11, 9]]
+    tree = la.propose(seq, 10, np.random.default_rng(0))
+    a = la._cells[0, 0]
+    target = np.zeros(len(tree), int)
+    for (r, j), node in la._cells.items():
+        target[node] = 20 + 10 * r + j
+    la.observe(seq, tree, [a], 5, target)
+    assert la.grid[0][:2] == [11, 9] and la.grid[1][:2] == [31, 32]
+    # depth limit: nothing deeper than max_depth
+    assert la.propose([*seq, 1, 5], 2, np.random.default_rng(0)).max_depth <= 2
+
+
+# -- the draft cache --------------------------------------------------------------------------------
+
+
+def test_draft_state_reuses_the_common_prefix():
+    eng = CycleEngine()
+    st = DraftState(eng, V)
+    st.reset([1, 2, 3, 4])
+    assert eng.seq == [1, 2, 3] and eng.fed == 3
+    st.sync([1, 2, 3, 4])
+    assert eng.seq == [1, 2, 3, 4] and eng.fed == 4
+    before = eng.fed
+    np.testing.assert_array_equal(st.sync([1, 2, 3, 4]), eng._row(4))  # cached, no pass
+    assert eng.fed == before
+    st.sync([1, 2, 9, 9, 9])  # diverges after two tokens: trims and feeds only the rest
+    assert eng.seq == [1, 2, 9, 9, 9] and eng.fed == before + 3
+    st.sync([1, 2, 9])  # a prefix: re-feeds the last token for its logits
+    assert eng.seq == [1, 2, 9] and eng.fed == before + 4
+    st.reset([1, 2, 9, 7])  # a second reset (another proposer sharing it) costs nothing new
+    assert eng.seq == [1, 2, 9]
+
+
+def test_static_and_chain_trees_from_the_draft():
+    eng = CycleEngine()
+    prop = DraftTreeProposer(
+        eng, V, SamplingParams(), mode="static", shape=[(0,), (1,), (0, 0), (0, 0, 0)]
+    )
+    prop.reset([5, 6])
+    tree = prop.propose([5, 6], 5, np.random.default_rng(0))
+    # after 6 the draft ranks 7 first and 9 second; then 8, then 5
+    assert tree.path_tokens(len(tree) - 1) == [7, 8, 5] and 9 in tree.children[0]
+    chain = DraftTreeProposer(eng, V, SamplingParams(), mode="chain", budget=3)
+    chain.reset([5, 6])
+    assert chain.propose([5, 6], 5, np.random.default_rng(0)).path_tokens(3) == [7, 8, 5]
+    assert chain.propose([5, 6], 2, np.random.default_rng(0)).size == 2  # depth cap
+
+
+def test_dynamic_tree_keeps_the_most_probable_nodes():
+    eng = TreeCycleEngine()
+    prop = DraftTreeProposer(eng, V, SamplingParams(), mode="dynamic", depth=3, topk=2, budget=4)
+    prop.reset([5, 6])
+    tree = prop.propose([5, 6], 5, np.random.default_rng(0))
+    assert tree.size == 4
+    # the greedy chain of the draft is the most probable path, so it is kept whole
+    assert tree.path_tokens(tree.children[tree.children[tree.children[0][7]][8]][5]) == [7, 8, 5]
+    # every kept node's ancestors are kept (subtree), and the draft cache commits the path
+    assert tree.path_tokens(3) == [7, 8]
+    prop.observe([5, 6], tree, tree.path(3), 0, np.zeros(len(tree), int))
+    assert prop.state.tokens == eng.seq == [5, 6, 7, 8]  # only the accepted path stays cached
+
+
+# -- cascade -----------------------------------------------------------------------------------------
+
+
+def _draft_greedy(prompt, n):
+    eng = CycleEngine()
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(np.argmax(eng.feed(seq[-1:], last_only=True))))
+    return seq[len(prompt) :]
+
+
+def test_cascade_greedy_chain_is_the_drafts_own_and_lookup_saves_passes():
+    eng = CycleEngine()
+    prompt = [5, 6, 7, 8, 5, 6]  # the text already shows the cycle: lookups are right
+    casc = CascadeProposer(eng, V, SamplingParams(), budget=6)
+    casc.reset(prompt)
+    passes = eng.passes
+    tree = casc.propose(prompt, 6, np.random.default_rng(0))
+    assert tree.path_tokens(len(tree) - 1) == _draft_greedy(prompt, 6)
+    assert eng.passes - passes == 3  # sync + two guessed blocks, instead of sync + 5 steps
+    # lookup guesses that are wrong cost passes but do not change the chain
+    wrong = [5, 6, 9, 2, 5, 6]
+    casc.reset(wrong)
+    assert casc.propose(wrong, 5, np.random.default_rng(0)).path_tokens(5) == _draft_greedy(
+        wrong, 5
+    )
+
+
+def test_cascade_draft_step_samples_exactly_the_draft(exact):  # noqa: F811
+    """The draft-side rule (accept the lookup's guess g with q(g), else sample q without g)
+    emits exactly q, for every guess."""
+    q = np.array([0.1, 0.5, 0.15, 0.25])
+    casc = CascadeProposer(CycleEngine(), 4, SamplingParams(1.0))
+    for g in (None, 0, 1, 3):
+        law = Counter()
+        for (x, _), pr in exact(lambda r, g=g: casc._step(q, g, r)).items():
+            law[x] += pr
+        np.testing.assert_allclose([law[i] for i in range(4)], q, atol=1e-12)
+
+
+# -- auto ---------------------------------------------------------------------------------------------
+
+
+class _Fixed:
+    """A proposer that proposes a chain of n tokens of which the first `good` are right."""
+
+    def __init__(self, name, n, good):
+        self.name, self.n, self.good = name, n, good
+        self.calls = 0
+
+    def reset(self, prompt):
+        pass
+
+    def propose(self, seq, max_depth, rng):
+        self.calls += 1
+        t = TokenTree.root(seq[-1])
+        t.add_path(range(self.n))
+        return t
+
+    def observe(self, seq, tree, path, token, target):
+        pass
+
+
+def _drive(auto, rounds):
+    seq = [1]
+    for _ in range(rounds):
+        tree = auto.propose(seq, 10, np.random.default_rng(0))
+        good = auto.proposers[auto._current].good
+        auto.observe(seq, tree, tree.path(good) if good else [], 0, np.zeros(len(tree), int))
+
+
+def test_auto_settles_on_the_best_tokens_per_second():
+    cost = CostProfile([1, 8, 64], [1.0, 2.0, 16.0])
+    cheap_good = _Fixed("pld", 4, 3)  # 4 tokens per pass at cost(5) = 1.57
+    big_bad = _Fixed("tree", 30, 1)  # 2 tokens per pass at cost(31) ~ 6
+    auto = AutoProposer([big_bad, cheap_good], cost, explore=2, period=10)
+    auto.reset([1])
+    _drive(auto, 60)
+    assert cheap_good.calls > 50 and 2 <= big_bad.calls <= 8  # explored, then re-checked
+    assert auto.score(1) > auto.score(0)
+
+
+# -- cost profiles ----------------------------------------------------------------------------------
+
+
+def test_cost_profile_interpolates_and_extrapolates():
+    c = CostProfile([1, 2, 4], [1.0, 1.5, 2.5])
+    assert c(1) == 1.0 and c(3) == 2.0 and c(6) == pytest.approx(3.5)
+    np.testing.assert_allclose(c(np.array([2, 8])), [1.5, 4.5])
+    with pytest.raises(ValueError):
+        CostProfile.from_json({"format": 1, "sizes": [2, 1], "seconds": [1, 2]})
+
+
+def test_best_size_trades_acceptance_for_cost():
+    flat = CostProfile([1, 64], [1.0, 1.0])  # a pass costs the same whatever its size
+    steep = CostProfile([1, 2], [1.0, 1.5])  # every token adds half a pass
+    vals = np.array([0.9, 0.8, 0.5, 0.1, 0.01])
+    assert best_size(vals, flat) == 5
+    assert best_size(vals, steep) == 2  # 2.7 / 2.0 beats 1.9 / 1.5 and 3.2 / 2.5
+    assert best_size(np.array([0.2]), steep) == 0
+    assert best_size(vals, flat, per_node=0.3) < 5
+
+
+def test_profile_is_measured_once_and_cached_per_device_and_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    eng = CycleEngine()
+    p1 = load_profile(eng, sizes=(1, 2, 4))
+    files = list((tmp_path / "profiles").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["sizes"] == [1, 2, 4]
+    assert p1.seconds == sorted(p1.seconds) and p1.model == engine_key(eng)
+    fed = eng.fed
+    p2 = load_profile(eng, sizes=(1, 2, 4))
+    assert eng.fed == fed and p2 == p1  # read from the cache, not measured
+    files[0].write_text("{broken")
+    load_profile(eng, sizes=(1, 2, 4))
+    assert eng.fed > fed  # unreadable: measured again (and rewritten atomically)
+    assert CostProfile.from_json(json.loads(files[0].read_text())).sizes == [1, 2, 4]
+    assert load_profile(CycleEngine(), measure_if_missing=False) is not None
+    other = CycleEngine()
+    other.vocab_size = 99
+    assert engine_key(other) != engine_key(eng)
