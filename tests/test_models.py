@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -173,3 +175,17 @@ def test_tokenizer_and_chat_template(tmp_path):
     detok = tok.detokenizer()
     pieces = [detok.add([i]) for i in tok.encode("abc d")]
     assert "".join(pieces) + detok.flush() == "abc d"
+
+
+@pytest.mark.parametrize("quantize", [None, 8])
+def test_truncated_draft_vocabulary_scores_the_first_rows(tmp_path, quantize):
+    path = tiny.write_model(tmp_path / "m", tie=True, hidden_size=64)
+    full = load_model(path, quantize=quantize).model
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["draft_vocab_size"] = 40
+    (path / "config.json").write_text(json.dumps(cfg))
+    cut = load_model(path, quantize=quantize).model
+    toks = mx.array([[5, 6, 7]])
+    a, b = _np(full(toks)), _np(cut(toks))
+    assert b.shape[-1] == 40
+    np.testing.assert_allclose(b, a[..., :40], atol=1e-4)

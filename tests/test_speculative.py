@@ -565,3 +565,21 @@ def test_generate_cli_method_and_pipeline_flags(pair):
     piped = run("--pipeline")
     assert piped["tokens"] == base["tokens"] and "overlap" in piped["stats"]
     assert run("--no-pipeline")["tokens"] == base["tokens"]
+
+
+def test_truncated_vocabulary_draft_is_lossless(tmp_path, pair):
+    import shutil
+
+    d = tmp_path / "d"
+    shutil.copytree(pair[1], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["draft_vocab_size"] = 48
+    (d / "config.json").write_text(json.dumps(cfg))
+    g = ondevice.load(pair[0], d)
+    for prompt in ("hello world", "the cat sat"):
+        plain = g.generate(prompt, max_tokens=24, speculative=False)
+        for t in (0.0, 1.0):
+            r = g.generate(prompt, max_tokens=24, temperature=t, seed=1)
+            if t == 0.0:
+                assert r.tokens == plain.tokens
+            assert all(0 <= x < 96 for x in r.tokens)

@@ -40,6 +40,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     quantization: dict[str, Any] | None = field(default=None, repr=False)
+    # FR-Spec drafts score only token ids 0..draft_vocab_size-1 (the rest get probability 0)
+    draft_vocab_size: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -77,6 +79,7 @@ class ModelConfig:
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_id=[int(e) for e in eos],
                 quantization=d.get("quantization"),
+                draft_vocab_size=d.get("draft_vocab_size"),
             )
         except KeyError as e:
             raise ModelFormatError(f"{source}: missing required field {e.args[0]!r}.") from None
@@ -116,6 +119,8 @@ class ModelConfig:
             d.pop("rope_traditional")
         if d["quantization"] is None:
             d.pop("quantization")
+        if d["draft_vocab_size"] is None:
+            d.pop("draft_vocab_size")
         if d["rope_scaling"] is None:
             d.pop("rope_scaling")
         eos = d["eos_token_id"]

@@ -197,11 +197,34 @@ class Model(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = layer(h, attn_mask, cache[i] if cache is not None else None, positions)
         h = self.model.norm(h[:, -1:] if last_only else h)
-        if self.config.tie_word_embeddings:
+        rows = self.config.draft_vocab_size
+        if rows and rows < self.config.vocab_size:
+            logits = _head_rows(
+                self.lm_head if not self.config.tie_word_embeddings else self.model.embed_tokens,
+                h,
+                rows,
+            )
+        elif self.config.tie_word_embeddings:
             logits = self.model.embed_tokens.as_linear(h)
         else:
             logits = self.lm_head(h)
         return (logits, h) if return_hidden else logits
+
+
+def _head_rows(layer: nn.Module, h: mx.array, rows: int) -> mx.array:
+    """Logits for the first `rows` token ids only (a truncated-vocabulary draft): the output
+    matrix's rows are independent, so slicing them (packed ones too) is exact."""
+    if isinstance(layer, (nn.QuantizedEmbedding, nn.QuantizedLinear)):
+        return mx.quantized_matmul(
+            h,
+            layer.weight[:rows],
+            layer.scales[:rows],
+            layer.biases[:rows],
+            transpose=True,
+            group_size=layer.group_size,
+            bits=layer.bits,
+        )
+    return h @ layer.weight[:rows].T
 
 
 def _attention_mask(mask: mx.array | None, L: int, prefix: int, dtype) -> mx.array | str | None:
