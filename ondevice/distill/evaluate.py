@@ -76,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from ondevice.distill.export import draft_vocab_size
     from ondevice.distill.teacher import load_teacher
-    from ondevice.models import load_model
 
     ap = argparse.ArgumentParser(prog="python -m ondevice.distill.evaluate")
     ap.add_argument("--verifier", required=True)
@@ -116,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                     Path(args.cache).write_text(json.dumps(cache))
             pairs[cat].append((prompt, cache[key]))
         print(f"{cat:16s} verifier continuations ready ({time.time() - t0:.0f}s)", flush=True)
-    draft = load_model(args.draft, dtype="float32").model
+    # Expanded to float32 like the teacher: the same function, and MLX's CPU kernels for
+    # quantized products are slow.
+    draft = load_teacher(args.draft).model
     vocab = draft_vocab_size(args.draft)
     per_cat: dict[str, np.ndarray] = {}
     for cat, ps in pairs.items():
