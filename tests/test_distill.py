@@ -145,3 +145,23 @@ def test_agreement_simulates_greedy_speculative_rounds():
     # the verifier's token is position 6; round 3 drafts at 7, rejected (+ verifier's token).
     assert a.speculative(3) == (3, 7, 5)
     assert a.rate == 0.75
+
+
+def test_draft_drives_mlx_lm_speculative_generation(trained, verifier):
+    """The draft works as `mlx_lm.generate --draft-model` does: greedy output is the verifier's."""
+    import importlib
+
+    import mlx_lm
+
+    gen = importlib.import_module("mlx_lm.generate")
+    out, _ = trained
+    model, tok = mlx_lm.load(str(verifier))
+    draft, _ = mlx_lm.load(str(out))
+    prompt = [3, 10, 11, 12]
+
+    def tokens(**kw) -> list[int]:
+        return [r.token for r in gen.stream_generate(model, tok, prompt, max_tokens=12, **kw)]
+
+    plain = tokens()
+    spec = tokens(draft_model=draft, num_draft_tokens=3)
+    assert spec == plain
