@@ -5,6 +5,7 @@ ever touched and the global pyplot state stays alone."""
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +128,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
             if agg[m][ALL].get("mean_accepted_length")
         )
         ax.set_title(
-            f"Draft acceptance per category   (mean tokens per verifier pass: {lens})",
+            textwrap.fill(f"Draft acceptance per category (tokens per verifier pass: {lens})", 90),
             fontsize=10,
             loc="left",
         )

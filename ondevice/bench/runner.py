@@ -192,7 +192,8 @@ class Bench:
         d, a, r = rec["drafted"], rec["accepted"], rec["rounds"]
         # What this method alone needs: the weights it uses plus its working memory. The MLX
         # peak itself counts every model loaded in the process (peers' copies included).
-        uses_draft = method in ("mlx-lm-spec", *DRAFT_METHODS) or d > 0
+        # (prompt lookup and lookahead draft without a model; "auto" may pick either kind)
+        uses_draft = method in ("mlx-lm-spec", *DRAFT_METHODS) or (method == "auto" and d > 0)
         rec["memory_bytes"] = (
             self.verifier_bytes
             + (self.draft_bytes if uses_draft else 0)
