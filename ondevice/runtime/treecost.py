@@ -94,6 +94,9 @@ def device_name() -> str:
         backend = "?"
     # On Linux the BLAS behind MLX's CPU backend changes costs several-fold (see DESIGN.md).
     blas = Path(os.environ.get("LD_PRELOAD", "").split(":")[0]).name
+    threads = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    if blas and threads:
+        blas += f" x{threads}"
     return " | ".join(
         x for x in (platform.system(), cpu, backend, blas, f"{os.cpu_count()} cpus") if x
     )
