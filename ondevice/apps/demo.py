@@ -66,6 +66,7 @@ def ensure_bundle(pair_name: str | None = None) -> str:
     if is_bundle(bundle):
         return str(bundle)
     verifier = pull(pair.verifier)
+    bundle.parent.mkdir(parents=True, exist_ok=True)
     draft = pair.draft
     if not (draft / "config.json").exists():
         from ondevice.errors import OndeviceError
