@@ -53,8 +53,10 @@ def tiny_pairs(runs: int) -> None:
             print(f"  noise {noise:4.2f}: leviathan {row[0]:.3f}  coupled {row[1]:.3f}")
 
 
-def real_pair(verifier: str, draft_layers: str, positions: int, draws: int) -> None:
-    v, d, desc = load_pair(verifier, None, draft_layers)
+def real_pair(
+    verifier: str, draft: str | None, draft_layers: str | None, positions: int, draws: int
+) -> None:
+    v, d, desc = load_pair(verifier, draft, draft_layers)
     tok = v.tokenizer
     text = tok.apply_chat_template(
         [{"role": "user", "content": "Explain how a rainbow forms, step by step."}]
@@ -73,6 +75,8 @@ def real_pair(verifier: str, draft_layers: str, positions: int, draws: int) -> N
     D.reset()
     p = probabilities(V.feed(seq[:-1])[start:], params)
     q = probabilities(D.feed(seq[:-1])[start:], params)
+    if q.shape[-1] < p.shape[-1]:  # a truncated draft vocabulary: zero probability beyond it
+        q = np.pad(q, ((0, 0), (0, p.shape[-1] - q.shape[-1])))
     lev = np.minimum(p, q).sum(-1)
     rng = np.random.default_rng(0)
     coup = np.zeros(len(p))
@@ -87,14 +91,20 @@ def real_pair(verifier: str, draft_layers: str, positions: int, draws: int) -> N
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--verifier", default=DEFAULT_VERIFIER)
-    ap.add_argument("--draft-layers", default="0-9,20-29")
+    ap.add_argument("--draft", default=None, help="a draft model (folder or GGUF)")
+    ap.add_argument("--draft-layers", default="0-9,20-29", help="slices, ';'-separated")
+    ap.add_argument("--skip-tiny", action="store_true")
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--positions", type=int, default=48)
     ap.add_argument("--draws", type=int, default=200)
     args = ap.parse_args()
-    tiny_pairs(args.runs)
+    if not args.skip_tiny:
+        tiny_pairs(args.runs)
+    if args.draft:
+        real_pair(args.verifier, args.draft, None, args.positions, args.draws)
+        return
     for spec in args.draft_layers.split(";"):
-        real_pair(args.verifier, spec, args.positions, args.draws)
+        real_pair(args.verifier, None, spec, args.positions, args.draws)
 
 
 if __name__ == "__main__":
