@@ -183,48 +183,28 @@ class Generator:
             self._lock.release()
 
     def _decoder(self, params, seed, num_draft_tokens, speculative, method, pipeline):
-        eos = self.tokenizer.eos_token_ids
         if method not in METHODS:
             raise OndeviceError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}.")
         draft = self.draft if speculative else None
+        opts = {"eos_token_ids": self.tokenizer.eos_token_ids, "seed": seed}
         if speculative and method != "chain":
             from ondevice.runtime.tree_decoder import make_decoder
 
-            return make_decoder(
-                method,
-                self.verifier,
-                draft,
-                params,
-                eos_token_ids=eos,
-                seed=seed,
-                num_draft_tokens=num_draft_tokens,
-            )
+            return make_decoder(method, self.verifier, draft, params,
+                                num_draft_tokens=num_draft_tokens, **opts)  # fmt: skip
         if draft is None or num_draft_tokens == 0:
             if params.greedy:
                 from ondevice.runtime.plain import PlainGreedyDecoder
 
-                return PlainGreedyDecoder(self.verifier, eos)
-            return SpeculativeDecoder(self.verifier, None, params, eos_token_ids=eos, seed=seed)
-        if pipeline is None:
-            pipeline = self.draft_backend in PIPELINE_BY_DEFAULT
-        if pipeline:
+                return PlainGreedyDecoder(self.verifier, opts["eos_token_ids"])
+            return SpeculativeDecoder(self.verifier, None, params, **opts)
+        decoder_class = SpeculativeDecoder
+        if pipeline if pipeline is not None else self.draft_backend in PIPELINE_BY_DEFAULT:
             from ondevice.runtime.pipeline import PipelinedDecoder
 
-            return PipelinedDecoder(
-                self.verifier,
-                draft,
-                params,
-                eos_token_ids=eos,
-                seed=seed,
-                num_draft_tokens=num_draft_tokens,
-            )
-        return SpeculativeDecoder(
-            self.verifier,
-            draft,
-            params,
-            eos_token_ids=eos,
-            seed=seed,
-            num_draft_tokens=num_draft_tokens,
+            decoder_class = PipelinedDecoder
+        return decoder_class(
+            self.verifier, draft, params, num_draft_tokens=num_draft_tokens, **opts
         )
 
     def _stream(self, dec, ids, max_tokens, stops, cancel):
