@@ -215,23 +215,29 @@ class Generator:
         t0 = time.perf_counter()
         finish = "length"
         rounds: Iterator[Round] = dec.run(ids, max_tokens) if max_tokens > 0 else iter(())
-        for rnd in rounds:
-            stopped = False
-            for tok, flag in zip(rnd.tokens, rnd.from_draft):
-                tokens.append(tok)
-                text, stopped = matcher.feed(detok.add([tok]))
-                yield Chunk(text, [tok], flag)  # a stop string's text is never emitted
+        try:
+            for rnd in rounds:
+                stopped = False
+                for tok, flag in zip(rnd.tokens, rnd.from_draft):
+                    tokens.append(tok)
+                    text, stopped = matcher.feed(detok.add([tok]))
+                    yield Chunk(text, [tok], flag)  # a stop string's text is never emitted
+                    if stopped:
+                        break
                 if stopped:
+                    finish = "stop"
                     break
-            if stopped:
-                finish = "stop"
-                break
-            if rnd.finish_reason:
-                finish = rnd.finish_reason
-                break
-            if cancel is not None and cancel.is_set():
-                finish = "cancelled"
-                break
+                if rnd.finish_reason:
+                    finish = rnd.finish_reason
+                    break
+                if cancel is not None and cancel.is_set():
+                    finish = "cancelled"
+                    break
+        finally:
+            # stop the decoder now (a pipelined one waits for its pass in flight), not at GC
+            close = getattr(rounds, "close", None)
+            if close is not None:
+                close()
         elapsed = time.perf_counter() - t0
         if finish != "stop" or not stops:
             tail, _ = matcher.feed(detok.flush())
