@@ -19,6 +19,7 @@ from ondevice.speculative.proposers import (
     DraftTreeProposer,
     Lookahead,
     NgramIndex,
+    NoProposal,
     PromptLookup,
 )
 from ondevice.speculative.sampling import SamplingParams
@@ -275,7 +276,7 @@ def _drive(auto, rounds):
     seq = [1]
     for _ in range(rounds):
         tree = auto.propose(seq, 10, np.random.default_rng(0))
-        good = auto.proposers[auto._current].good
+        good = getattr(auto.proposers[auto._current], "good", 0)
         auto.observe(seq, tree, tree.path(good) if good else [], 0, np.zeros(len(tree), int))
 
 
@@ -288,6 +289,16 @@ def test_auto_settles_on_the_best_tokens_per_second():
     _drive(auto, 60)
     assert cheap_good.calls > 50 and 2 <= big_bad.calls <= 8  # explored, then re-checked
     assert auto.score(1) > auto.score(0)
+
+
+def test_auto_falls_back_to_plain_steps_when_nothing_pays():
+    steep = CostProfile([1, 2], [1.0, 2.0])  # every verified token costs a full pass
+    weak = _Fixed("tree", 6, 1)  # 2 tokens per pass at cost 7
+    auto = AutoProposer([NoProposal(), weak], steep, explore=2, period=10)
+    auto.reset([1])
+    _drive(auto, 40)
+    assert auto.score(0) == pytest.approx(1.0) and auto.score(1) < 0.5
+    assert weak.calls <= 6  # explored twice, re-checked every 10 rounds
 
 
 # -- cost profiles ----------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from ondevice.speculative.proposers import (
     DraftState,
     DraftTreeProposer,
     Lookahead,
+    NoProposal,
     PromptLookup,
     Proposer,
 )
@@ -388,9 +389,8 @@ def make_decoder(
     elif method == "cascade":
         proposer = cascade()
     else:
-        cands: list[Proposer] = [pld()]
-        if state is not None:
-            cands = [tree_proposer(), cascade(), *cands]
+        cands: list[Proposer] = [NoProposal(), pld()]
+        cands += [tree_proposer(), cascade()] if state is not None else [lookahead()]
         if vprof is None:
             vprof = CostProfile([1], [1.0])  # unprofiled: every pass costs the same
         proposer = AutoProposer(cands, vprof, [state] if state is not None else [])

@@ -320,7 +320,9 @@ class DraftTreeProposer:
                 dists[node] = self._dist(row)
         vals = np.array(value[1:])
         order = np.argsort(-vals, kind="stable") + 1  # parents precede children on ties
-        n = max(1, min(int(self.budget(vals[order - 1])), len(order)))
+        # may be 0: where even the best node does not pay for its verification, this round is
+        # a plain step (confident rounds still speculate, so the calibration keeps learning)
+        n = max(0, min(int(self.budget(vals[order - 1])), len(order)))
         tree, kept = cand.subtree(order[:n].tolist())
         pred = np.zeros(len(self.predicted))
         for node in kept[1:]:
@@ -380,6 +382,22 @@ class DraftTreeProposer:
             tried = self._depth_pred > 0
             self.predicted += self._depth_pred
             self.realised += tried & (depths >= 1) & (depths <= len(path))
+
+
+class NoProposal:
+    """Proposes nothing: each round is one plain decoding step (a candidate for `auto`, which
+    should fall back to plain decoding where no proposer pays for itself)."""
+
+    name = "plain"
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        pass
+
+    def propose(self, seq: list[int], max_depth: int, rng: np.random.Generator) -> TokenTree:
+        return TokenTree.root(seq[-1])
+
+    def observe(self, seq, tree, path, token, target) -> None:
+        pass
 
 
 # -- prompt lookup -------------------------------------------------------------------------------

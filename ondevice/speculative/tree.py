@@ -102,11 +102,6 @@ class TokenTree:
             anc[i, i] = True
         return anc
 
-    def attention_mask(self) -> np.ndarray:
-        """Additive float32 mask (N, N) over the tree's nodes: 0 on ancestors-or-self, -inf
-        elsewhere. The committed prefix is visible to every node and is not part of it."""
-        return np.where(self.ancestors(), 0.0, -np.inf).astype(np.float32)
-
     def positions(self, root_position: int) -> np.ndarray:
         return root_position + np.asarray(self.depths, dtype=np.int32)
 
@@ -216,13 +211,6 @@ def accept_sampled(
 # Rank paths: (0,) is the draft's best child of the root, (0, 1) the second-best child of that,
 # and so on (for sampled trees: the i-th draw). A shape must list every prefix of its paths.
 CHAIN_4 = ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
-DEFAULT_STATIC = (
-    (0,), (1,), (2,),
-    (0, 0), (0, 1), (1, 0), (2, 0),
-    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
-    (0, 0, 0, 0), (0, 0, 0, 1),
-    (0, 0, 0, 0, 0),
-)  # fmt: skip
 
 
 def check_shape(paths: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
