@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import concurrent.futures
+import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +107,7 @@ class Generator:
             )
         self.draft_backend = self.draft.name if self.draft is not None else None
         self._lock = threading.Lock()  # one generation at a time per loaded model
+        self._worker: _Worker | None = None  # astream's generation thread, reused across calls
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -297,8 +302,12 @@ class Generator:
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, done)
 
-        thread = threading.Thread(target=work, name="ondevice-generate", daemon=True)
-        thread.start()
+        # One long-lived thread per model: a new thread per call would leave MLX's per-thread
+        # streams (native threads) behind on every request.
+        if self._worker is None:
+            self._worker = _Worker("ondevice-generate")
+            weakref.finalize(self, self._worker.stop)
+        finished = self._worker.submit(work)
         try:
             while True:
                 item = await queue.get()
@@ -311,7 +320,7 @@ class Generator:
             cancel.set()
             # Wait for the worker to finish its round even if this task is cancelled again
             # meanwhile (servers cancel disconnected requests): the model must be free on return.
-            joined = asyncio.ensure_future(asyncio.to_thread(thread.join))
+            joined = asyncio.wrap_future(finished)
             cancelled = False
             while not joined.done():
                 try:
@@ -320,6 +329,38 @@ class Generator:
                     cancelled = True
             if cancelled:
                 raise asyncio.CancelledError
+
+
+class _Worker:
+    """A daemon thread that runs submitted functions one after another."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+        # MLX aborts the process at exit if a thread that used it is still alive then.
+        atexit.register(self.stop)
+
+    def submit(self, fn: Callable[[], None]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    def stop(self) -> None:
+        """End the thread after the work already submitted, and wait for it."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            if threading.current_thread() is not self._thread:
+                self._thread.join()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, fut = job
+            try:
+                fn()
+                fut.set_result(None)
+            except BaseException as e:
+                fut.set_exception(e)
 
 
 def load(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -495,7 +496,6 @@ def test_load_in_one_thread_generate_in_another(pair):
 
 def test_closing_astream_early_stops_the_worker(gen):
     import asyncio
-    import threading
 
     async def first_then_close():
         agen = gen.astream("hello world", max_tokens=200)
@@ -504,8 +504,32 @@ def test_closing_astream_early_stops_the_worker(gen):
         await agen.aclose()
 
     asyncio.run(first_then_close())
-    assert not [t for t in threading.enumerate() if t.name == "ondevice-generate"]
+    assert not gen._lock.locked()  # the generation ended before aclose returned
     assert gen.generate("hi", max_tokens=4).tokens  # the model is free again
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads through /proc")
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_repeated_astream_calls_do_not_accumulate_native_threads(gen, pipeline):
+    import asyncio
+    import os
+
+    def native_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    async def some(n: int) -> int:
+        for _ in range(n):
+            async for _ in gen.astream("hello", max_tokens=6, pipeline=pipeline):
+                pass
+        return native_threads()
+
+    async def run() -> tuple[int, int]:
+        return await some(2), await some(8)
+
+    warm, later = asyncio.run(run())
+    # MLX keeps native worker threads per Python thread that used it; a thread per request
+    # used to leave two behind on every call
+    assert later <= warm, (warm, later)
 
 
 @pytest.mark.parametrize("method", ["chain", "tree", "pld", "lookahead", "cascade", "auto"])

@@ -138,29 +138,29 @@ def measure(
     sizes: tuple[int, ...] = SIZES,
     *,
     context: int = 256,
-    repeats: int = 5,
+    repeats: int = 7,
 ) -> CostProfile:
-    """Time `engine.feed` of n tokens after a `context`-token prefix (median of `repeats`)."""
+    """Time `engine.feed` of n tokens after a `context`-token prefix (median of `repeats`).
+
+    Sizes are interleaved within each repeat, so a change in load during the measurement (other
+    processes on the machine) affects every size alike instead of skewing some of them."""
     context = max(1, min(context, engine.context_length - max(sizes) - 1))
     rng = np.random.default_rng(0)
     toks = rng.integers(0, engine.vocab_size, context + max(sizes)).tolist()
     engine.reset()
     engine.feed(toks[:context], last_only=True)
-    secs = []
-    for n in sizes:
-        block = toks[context : context + n]
-        engine.feed(block)  # warm-up: first calls compile and allocate
-        engine.trim(n)
-        times = []
-        for _ in range(repeats):
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(repeats + 1):
+        for n in sizes:
+            block = toks[context : context + n]
             t = time.perf_counter()
             engine.feed(block)
-            times.append(time.perf_counter() - t)
+            if rep:  # the first round only warms up (compilation, allocation)
+                times[n].append(time.perf_counter() - t)
             engine.trim(n)
-        secs.append(float(np.median(times)))
     engine.reset()
     # A profile must not decrease with size (timing noise): the tree sizer assumes it.
-    secs = np.maximum.accumulate(secs).tolist()
+    secs = np.maximum.accumulate([float(np.median(times[n])) for n in sizes]).tolist()
     return CostProfile(list(sizes), secs, device_name(), engine_key(engine), context)
 
 
