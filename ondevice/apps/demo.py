@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
+from pathlib import Path
 
 DEFAULT_PROMPT = (
     "Explain in a few short paragraphs how a bicycle stays upright, "
@@ -53,8 +55,27 @@ def _maybe_preload_openblas() -> None:
     )
 
 
+def _draft_digest(draft: Path) -> str:
+    """A short digest of the draft's files: a bundle converted from another draft (an older
+    package version) is never reused."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(draft.iterdir()):
+        if f.is_file() and f.suffix in (".json", ".safetensors"):
+            h.update(f.name.encode())
+            with open(f, "rb") as fh:
+                while block := fh.read(1 << 20):
+                    h.update(block)
+    return h.hexdigest()[:12]
+
+
 def ensure_bundle(pair_name: str | None = None) -> str:
     """The default pair as a bundle in the cache, converting it on first use."""
+    import json
+    import shutil
+
+    from ondevice.errors import OndeviceError
     from ondevice.models.bundle import is_bundle
     from ondevice.models.catalog import load_catalog
     from ondevice.models.hub import cache_dir
@@ -62,16 +83,17 @@ def ensure_bundle(pair_name: str | None = None) -> str:
 
     cat = load_catalog()
     pair = cat.pair(pair_name)
-    bundle = cache_dir() / "bundles" / pair.name
+    draft = pair.draft
+    if not (draft / "config.json").exists():
+        raise OndeviceError(f"the shipped draft is missing at {draft}; reinstall ondevice.")
+    root = cache_dir() / "bundles"
+    bundle = root / f"{pair.name}-{_draft_digest(draft)}"
     if is_bundle(bundle):
         return str(bundle)
     verifier = pull(pair.verifier)
-    bundle.parent.mkdir(parents=True, exist_ok=True)
-    draft = pair.draft
-    if not (draft / "config.json").exists():
-        from ondevice.errors import OndeviceError
-
-        raise OndeviceError(f"the shipped draft is missing at {draft}; reinstall ondevice.")
+    root.mkdir(parents=True, exist_ok=True)
+    max_pos = json.loads((draft / "config.json").read_text()).get("max_position_embeddings")
+    context = min(2048, int(max_pos or 2048))
     print(
         f"[ondevice] converting {pair.verifier} + shipped draft into {bundle} (once)",
         file=sys.stderr,
@@ -79,12 +101,16 @@ def ensure_bundle(pair_name: str | None = None) -> str:
     from ondevice.convert.cli import main as convert
 
     code = convert(
-        ["--verifier", str(verifier), "--draft", str(draft), "-o", str(bundle), "--context", "2048"]
+        ["--verifier", str(verifier), "--draft", str(draft), "-o", str(bundle)]
+        + ["--context", str(context)]
     )
     if code:
-        from ondevice.errors import OndeviceError
-
         raise OndeviceError("converting the default pair failed (see the messages above).")
+    # bundles of this pair made from other drafts (older versions) are stale now
+    same_pair = re.compile(re.escape(pair.name) + r"(-[0-9a-f]{12})?")
+    for old in root.iterdir():
+        if old != bundle and same_pair.fullmatch(old.name) and is_bundle(old):
+            shutil.rmtree(old, ignore_errors=True)
     return str(bundle)
 
 
