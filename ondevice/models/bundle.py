@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,11 +61,14 @@ def is_bundle(path: str | Path) -> bool:
     return p.is_dir() and (p / MANIFEST).is_file()
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, progress: Callable[[int], object] | None = None) -> str:
+    """Hex sha256 of a file, read in blocks; `progress(n)` is told each block's size."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(_HASH_BLOCK):
             h.update(block)
+            if progress is not None:
+                progress(len(block))
     return h.hexdigest()
 
 

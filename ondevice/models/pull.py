@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ondevice.errors import ModelNotFoundError, OndeviceError
+from ondevice.models.bundle import sha256_file as bundle_sha256
 from ondevice.models.catalog import Catalog, ModelEntry, Source, load_catalog, normalize_project
 from ondevice.models.hub import HUB_PATTERNS, cache_dir
 
@@ -359,13 +360,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def sha256_file(path: Path, say: _Say | None = None, desc: str = "sha256") -> str:
-    h = hashlib.sha256()
+    """The file's sha256, with a progress bar unless `say` is quiet."""
     say = say or _Say(quiet=True)
-    with open(path, "rb") as f, say.bar(path.stat().st_size, desc) as bar:
-        for chunk in _chunks(f):
-            h.update(chunk)
-            bar.update(len(chunk))
-    return h.hexdigest()
+    with say.bar(path.stat().st_size, desc) as bar:
+        return bundle_sha256(path, bar.update)
 
 
 # -- names -----------------------------------------------------------------------------------
