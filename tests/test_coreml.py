@@ -335,6 +335,55 @@ def test_large_vocabulary_is_split_and_lints_clean(tmp):
     assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.9  # int8 weights
 
 
+def test_truncated_vocabulary_draft_converts_only_its_rows(tmp):
+    """A draft with draft_vocab_size K (FR-Spec): the package's head has K rows, its logits
+    equal the MLX draft's (which also scores only the first K ids), and speculative decoding
+    through the package stays exactly the verifier's greedy output."""
+    from tiny import make_config, random_weights
+
+    from ondevice.models.config import ModelConfig
+    from ondevice.models.weights import build_model
+    from ondevice.runtime.engines import MLXEngine
+    from ondevice.runtime.tree_decoder import make_decoder
+    from ondevice.speculative.decoder import SpeculativeDecoder
+    from ondevice.speculative.sampling import SamplingParams
+
+    raw = make_config(tie=True)
+    K = raw["vocab_size"] // 2
+    weights = random_weights(raw, seed=4)
+    cfg = ModelConfig.from_dict({**raw, "draft_vocab_size": K})
+    pkg = tmp / "truncated.mlpackage"
+    desc = convert_draft(cfg, weights, pkg, context=CONTEXT, chunk=CHUNK)
+    assert desc["vocab_size"] == raw["vocab_size"] and desc["output_vocab"] == K
+    assert sum(desc["vocab_splits"]) == K
+
+    draft = build_model(cfg, {k: mx.array(v) for k, v in weights.items()})
+    tokens = [int(t) for t in np.random.default_rng(1).integers(0, raw["vocab_size"], 12)]
+    got = ReferenceDraftEngine(pkg).feed(tokens)
+    ref = np.array(draft(mx.array([tokens]))[0].astype(mx.float32))
+    assert got.shape == ref.shape == (12, K)
+    assert_close(got, ref)
+
+    verifier = build_model(
+        ModelConfig.from_dict(raw), {k: mx.array(v) for k, v in weights.items()}
+    )
+    greedy = SamplingParams(temperature=0.0)
+    plain = SpeculativeDecoder(MLXEngine(verifier), None, greedy)
+    want = [t for r in plain.run(tokens, 24) for t in r.tokens]
+    for method in ("chain", "tree", "cascade"):
+        dec = make_decoder(
+            method,
+            MLXEngine(verifier),
+            ReferenceDraftEngine(pkg),
+            greedy,
+            num_draft_tokens=3,
+            profile=False,
+        )
+        rounds = list(dec.run(tokens, 24))
+        assert [t for r in rounds for t in r.tokens] == want, method
+        assert sum(r.accepted for r in rounds) > 0, method  # the draft (= the verifier) was used
+
+
 # -- lint ------------------------------------------------------------------------------------------
 
 

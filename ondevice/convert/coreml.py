@@ -115,6 +115,14 @@ def _vocab_splits(vocab: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(n)]
 
 
+def _output_rows(config: ModelConfig) -> int:
+    """Rows of the LM head to convert: a truncated-vocabulary draft (FR-Spec,
+    `draft_vocab_size` K) scores only ids 0..K-1, so the head is cut to K rows (3x less work for
+    K = 16384 of 49152); its logits are then K wide and the runtime gives the rest probability 0."""
+    k = config.draft_vocab_size
+    return k if k and k < config.vocab_size else config.vocab_size
+
+
 def _check_config(config: ModelConfig) -> None:
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelFormatError(
@@ -215,7 +223,7 @@ def _prepare_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> dic
     else:
         head = _get(weights, "lm_head.weight", (config.vocab_size, d)).astype(np.float16)
     start = 0
-    for j, n in enumerate(_vocab_splits(config.vocab_size)):
+    for j, n in enumerate(_vocab_splits(_output_rows(config))):
         out[f"lm_head_{j}"] = head[start : start + n].reshape(n, d, 1, 1)
         start += n
     return out
@@ -608,6 +616,7 @@ def _describe(dims: _Dims, context: int, chunk: int, kv: str, compress: str, cfg
         "min_deployment_target": MIN_DEPLOYMENT,
         "default_function": "decode",
         "functions": functions,
+        "output_vocab": sum(dims.vocab_splits),  # < vocab_size for a truncated draft
         "logits": [f"logits_{j}" for j in range(len(dims.vocab_splits))],
         "vocab_splits": list(dims.vocab_splits),
         "kv_cache": {
@@ -668,7 +677,7 @@ def convert_draft(
         state_head_dim=_round_up(config.head_dim, STATE_ALIGN),
         state_len=_round_up(context, STATE_ALIGN),
         vocab=config.vocab_size,
-        vocab_splits=_vocab_splits(config.vocab_size),
+        vocab_splits=_vocab_splits(_output_rows(config)),
         eps=float(config.rms_norm_eps),
     )
     description = _describe(dims, context, chunk, kv, compress, config)
