@@ -5,6 +5,7 @@ multi-draft acceptance rules by exact enumeration, and end-to-end losslessness o
 from __future__ import annotations
 
 import itertools
+import json
 from collections import Counter
 
 import mlx.core as mx
@@ -18,6 +19,7 @@ import ondevice.speculative.tree as tree_mod
 from ondevice.models import load_model
 from ondevice.runtime.engines import MLXEngine
 from ondevice.runtime.tree_decoder import METHODS, MLXTreeEngine, make_decoder
+from ondevice.runtime.treecost import SIZES, CostProfile, device_name, engine_key, profile_path
 from ondevice.speculative.proposers import DraftState
 from ondevice.speculative.sampling import SamplingParams, probabilities
 from ondevice.speculative.tree import (
@@ -414,9 +416,18 @@ def _prompts(model):
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
+def home(tmp_path_factory, models):
+    """A cache with fixed cost profiles for the two tiny models, so that what `profile=True`
+    decides does not depend on how loaded the machine is while the tests run: a verifier pass
+    costs little more for more tokens, a draft step a twentieth of a pass (a typical pair)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("ONDEVICE_HOME", str(tmp_path_factory.mktemp("home")))
+    for model, base, per_token in ((models[0], 1.0, 0.02), (models[1], 0.05, 0.001)):
+        engine = MLXEngine(model)
+        path = profile_path(device_name(), engine_key(engine))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof = CostProfile(list(SIZES), [base + per_token * n for n in SIZES])
+        path.write_text(json.dumps(prof.to_json()))
     yield
     mp.undo()
 
