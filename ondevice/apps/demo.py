@@ -33,6 +33,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--draft-backend", default="auto", choices=["auto", "coreml", "reference", "mlx"]
     )
+    p.add_argument(
+        "--method",
+        default="auto",
+        choices=["auto", "chain", "tree", "pld", "lookahead", "cascade"],
+        help="speculation method (default: auto, which picks per round among the draft, prompt "
+        "lookup and plain steps by measured acceptance and cost)",
+    )
     p.add_argument("--no-compare", action="store_true", help="skip the plain-decoding comparison")
     p.set_defaults(func=run)
 
@@ -133,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     stats: dict = {}
     tokens: list[int] = []
-    for chunk in gen.stream(args.prompt, max_tokens=args.max_tokens):
+    for chunk in gen.stream(args.prompt, max_tokens=args.max_tokens, method=args.method):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         tokens.extend(chunk.tokens)
@@ -147,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         if chunk.stats:
             stats = chunk.stats
     print("\n")
-    print(f"speculative: {format_stats(stats)}", file=sys.stderr)
+    print(f"speculative ({args.method}): {format_stats(stats)}", file=sys.stderr)
     if args.no_compare:
         return 0
     plain = gen.generate(args.prompt, max_tokens=args.max_tokens, speculative=False)
