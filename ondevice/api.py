@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import os
 import queue
 import threading
 import time
@@ -347,11 +348,22 @@ class _Worker:
         return fut
 
     def stop(self) -> None:
-        """End the thread after the work already submitted, and wait for it."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            if threading.current_thread() is not self._thread:
-                self._thread.join()
+        """End the thread after the work already submitted, and wait for it, native part
+        included: MLX frees the thread's compile cache (Python objects) in the thread's exit
+        handlers, which abort the process if they run after the interpreter has shut down."""
+        if not self._thread.is_alive():
+            return
+        self._jobs.put(None)
+        if threading.current_thread() is self._thread:
+            return
+        self._thread.join()
+        task = f"/proc/self/task/{self._thread.native_id}"
+        deadline = time.monotonic() + 2.0
+        if os.path.exists("/proc/self/task"):
+            while os.path.exists(task) and time.monotonic() < deadline:
+                time.sleep(0.005)  # lets the exiting thread take the GIL for its exit handlers
+        else:
+            time.sleep(0.05)  # no /proc (macOS): a short grace period instead
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:

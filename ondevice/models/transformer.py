@@ -127,11 +127,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        g = self.gate_proj(x)
-        # Written out rather than `nn.silu`, which is an `mx.compile`d function: MLX keeps a
-        # compile cache per thread that holds Python objects, and a generation thread that ends
-        # while the interpreter shuts down then aborts the process when that cache is freed.
-        return self.down_proj(g * mx.sigmoid(g) * self.up_proj(x))
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
