@@ -336,14 +336,18 @@ class Terminal:
         os.close(self.fd)
 
 
-@pytest.mark.slow
-def test_terminal_chat(models, reference):
-    n = 1500  # long enough that Ctrl-C lands while the (fast, tiny) model is still writing
+def _chat_terminal(models, n: int) -> Terminal:
+    """`ondevice chat` with the tiny pair in a pseudo-terminal, greedy, n tokens per answer."""
     argv = [sys.executable, "-m", "ondevice", "chat", "--model", str(models["first"])]
     argv += ["--draft", str(models["draft"]), "--draft-backend", "mlx"]
     argv += ["--max-tokens", str(n), "--temperature", "0"]
-    env = {**os.environ, "TERM": "dumb", "PYTHONUNBUFFERED": "1"}
-    term = Terminal(argv, env)
+    return Terminal(argv, {**os.environ, "TERM": "dumb", "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.slow
+def test_terminal_chat(models, reference):
+    n = 1500  # long enough that Ctrl-C lands while the (fast, tiny) model is still writing
+    term = _chat_terminal(models, n)
     try:
         term.expect("chatting with first")
         term.expect(">>> ")
@@ -380,11 +384,7 @@ def test_terminal_chat(models, reference):
 )
 def test_terminal_ctrl_c_stops_the_answer(models, reference):
     n = 1500
-    argv = [sys.executable, "-m", "ondevice", "chat", "--model", str(models["first"])]
-    argv += ["--draft", str(models["draft"]), "--draft-backend", "mlx"]
-    argv += ["--max-tokens", str(n), "--temperature", "0"]
-    env = {**os.environ, "TERM": "dumb", "PYTHONUNBUFFERED": "1"}
-    term = Terminal(argv, env)
+    term = _chat_terminal(models, n)
     try:
         term.expect(">>> ")
         term.send("hello\r")

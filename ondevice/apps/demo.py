@@ -67,13 +67,12 @@ def _draft_digest(draft: Path) -> str:
     package version) is never reused."""
     import hashlib
 
+    from ondevice.models.bundle import sha256_file
+
     h = hashlib.sha256()
     for f in sorted(draft.iterdir()):
         if f.is_file() and f.suffix in (".json", ".safetensors"):
-            h.update(f.name.encode())
-            with open(f, "rb") as fh:
-                while block := fh.read(1 << 20):
-                    h.update(block)
+            h.update(f"{f.name} {sha256_file(f)}\n".encode())
     return h.hexdigest()[:12]
 
 
