@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import os
 import queue
 import threading
 import time
@@ -20,6 +19,7 @@ import mlx.core as mx
 from ondevice.errors import OndeviceError
 from ondevice.models import LoadedModel, load_model
 from ondevice.models.tokenizer import Tokenizer, check_pair
+from ondevice.runtime import threads
 from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engine
 from ondevice.speculative.decoder import Round, SpeculativeDecoder
 from ondevice.speculative.sampling import SamplingParams
@@ -337,8 +337,7 @@ class _Worker:
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._loop, name)
         # MLX aborts the process at exit if a thread that used it is still alive then.
         atexit.register(self.stop)
 
@@ -349,21 +348,11 @@ class _Worker:
 
     def stop(self) -> None:
         """End the thread after the work already submitted, and wait for it, native part
-        included: MLX frees the thread's compile cache (Python objects) in the thread's exit
-        handlers, which abort the process if they run after the interpreter has shut down."""
+        included (see `runtime.threads`: MLX aborts the process otherwise)."""
         if not self._thread.is_alive():
             return
         self._jobs.put(None)
-        if threading.current_thread() is self._thread:
-            return
-        self._thread.join()
-        task = f"/proc/self/task/{self._thread.native_id}"
-        deadline = time.monotonic() + 2.0
-        if os.path.exists("/proc/self/task"):
-            while os.path.exists(task) and time.monotonic() < deadline:
-                time.sleep(0.005)  # lets the exiting thread take the GIL for its exit handlers
-        else:
-            time.sleep(0.05)  # no /proc (macOS): a short grace period instead
+        threads.wait_native_exit(self._thread, timeout=None)
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:

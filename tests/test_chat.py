@@ -369,7 +369,7 @@ def test_terminal_chat(models, reference):
         term.expect(r"\(conversation cleared\)")
         term.send("/nope\r")
         term.expect("unknown command")
-        # Ctrl-C: see test_terminal_ctrl_c_stops_the_answer (a known bug).
+        # Ctrl-C: see test_terminal_ctrl_c_stops_the_answer.
         term.send("/quit\r")
         assert term.wait() == 0
     finally:
@@ -377,11 +377,6 @@ def test_terminal_chat(models, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug: the kernel may hand the terminal's SIGINT to one of MLX's threads, and "
-    "the chat then misses or delays Ctrl-C (fails on session 1's code too)",
-)
 def test_terminal_ctrl_c_stops_the_answer(models, reference):
     n = 1500
     term = _chat_terminal(models, n)

@@ -25,6 +25,8 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ondevice.runtime import threads
+
 if TYPE_CHECKING:
     from ondevice.api import Generator
 
@@ -158,8 +160,7 @@ class ChatController:
     def _start(self, state: ChatState, target: Callable[[], None]) -> None:
         self._stop.clear()
         self._set_state(state)
-        self._worker = threading.Thread(target=self._run_worker, args=(target,), daemon=True)
-        self._worker.start()
+        self._worker = threads.start(self._run_worker, "ondevice-chat", args=(target,))
 
     def _run_worker(self, target: Callable[[], None]) -> None:
         try:

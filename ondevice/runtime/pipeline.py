@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ondevice.errors import ContextLengthError
+from ondevice.runtime import threads
 from ondevice.runtime.costmodel import CostModel
 from ondevice.speculative.decoder import (
     CustomRule,
@@ -86,9 +87,7 @@ class _MLXVerifier:
         self._mx = mx
         self.engine = engine
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._wait_loop, name="ondevice-verify-wait")
-        self._thread.daemon = True
-        self._thread.start()
+        self._thread = threads.start(self._wait_loop, "ondevice-verify-wait")
 
     def submit(self, tokens: Sequence[int]) -> _Pending:
         mx = self._mx
@@ -120,7 +119,9 @@ class _ThreadVerifier:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ondevice-verify")
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="ondevice-verify", initializer=threads.register_current
+        )
 
     def submit(self, tokens: Sequence[int]) -> _Pending:
         pending = _Pending(len(tokens))
