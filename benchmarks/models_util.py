@@ -50,10 +50,14 @@ def parse_layers(spec: str, n: int) -> list[int]:
 
 
 def load_pair(verifier: str, draft: str | None, draft_layers: str | None):
-    """(LoadedModel verifier, draft Model, description of the draft)."""
-    v: LoadedModel = load_model(verifier)
+    """(LoadedModel verifier, draft Model, description of the draft). Quantized weights are
+    expanded where MLX runs on the CPU, as `ondevice.load` does."""
+    import mlx.core as mx
+
+    dq = mx.default_device() == mx.cpu
+    v: LoadedModel = load_model(verifier, dequantize=dq)
     if draft:
-        return v, load_model(draft).model, draft
+        return v, load_model(draft, dequantize=dq).model, draft
     spec = draft_layers or "0-3"
     layers = parse_layers(spec, v.config.num_hidden_layers)
     return v, layer_slice(verifier, layers), f"verifier layers {spec}"
