@@ -4,7 +4,7 @@
 
 The profiles are the cost profiles `ondevice` measures and caches per device and model
 (`<cache>/profiles/*.json`: seconds of one forward pass over n tokens). With acceptance alpha per
-drafted token (the geometric model of `ondevice/runtime/costmodel.py`), a block of K drafts yields
+drafted token (`ondevice/runtime/costmodel.py`, used here as it is), a block of K drafts yields
 (1 - alpha^(K+1)) / (1 - alpha) tokens per verifier pass, and costs (no host overhead: an upper
 bound):
 
@@ -22,21 +22,30 @@ import argparse
 import json
 from pathlib import Path
 
+from ondevice.runtime.costmodel import CostModel
 from ondevice.runtime.treecost import CostProfile
 
 
-def speedups(verify, d: float, alpha: float, k_max: int = 8) -> tuple[tuple[float, int], ...]:
-    v1 = verify(1)
-    tokens = [(1 - alpha ** (k + 1)) / (1 - alpha) for k in range(k_max + 1)]
-    seq = max(
-        (tokens[k] * v1 / (verify(k + 1) + k * d + alpha**k * d), k) for k in range(1, k_max + 1)
+class ProfileCosts(CostModel):
+    """The runtime's cost model with a measured profile for the verifier's pass (interpolated,
+    not the runtime's running linear fit), a fixed draft call cost and no host overhead."""
+
+    def __init__(self, verify: CostProfile, draft_seconds: float) -> None:
+        super().__init__()
+        self._verify = verify
+        self.draft.value, self.draft.n = draft_seconds, 1
+
+    def verify_seconds(self, length: int) -> float:
+        return float(self._verify(length))
+
+
+def speedups(cm: CostModel, alpha: float, k_max: int = 8) -> tuple[tuple[float, int], ...]:
+    """(speedup over plain, best K) sequential and pipelined, at acceptance `alpha`."""
+    v1 = cm.verify_seconds(1)
+    return tuple(
+        max((cm.rate(k, pipelined, alpha) * v1, k) for k in range(1, k_max + 1))
+        for pipelined in (False, True)
     )
-    pip = []
-    for k in range(1, k_max + 1):
-        h = alpha ** (k + 1)
-        t = verify(k + 1) + (1 - h) * k * d + h * max(0.0, (k + 1) * d - verify(k + 1))
-        pip.append((tokens[k] * v1 / t, k))
-    return seq, max(pip)
 
 
 def main() -> None:
@@ -56,7 +65,7 @@ def main() -> None:
     )
     print("alpha  sequential (best K)  pipelined, ideal overlap (best K)")
     for alpha in (0.14, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
-        (s, ks), (p, kp) = speedups(verify, d, alpha)
+        (s, ks), (p, kp) = speedups(ProfileCosts(verify, d), alpha)
         print(f"{alpha:5.2f}  {s:5.2f}x (K={ks})          {p:5.2f}x (K={kp})")
 
 
