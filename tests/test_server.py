@@ -57,7 +57,7 @@ class LiveServer:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(self.api.app, log_level="warning", timeout_graceful_shutdown=5)
+        config = self.api.uvicorn_config(log_level="warning", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
 
@@ -255,6 +255,9 @@ def test_models_health_metrics(server, gen, model_id):
     assert samples["ondevice_queue_length"] == 0
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 def _post(server: LiveServer, path: str, **kwargs) -> httpx.Response:
     return httpx.post(server.url + path, timeout=30, **kwargs)
 
@@ -301,10 +304,10 @@ def test_bad_completion_prompts(server, model_id, prompt):
 
 def test_malformed_bodies_and_paths(server, model_id):
     cases = [
-        (_post(server, "/v1/chat/completions", content=b"{not json"), 400),
-        (_post(server, "/v1/chat/completions", content=b"\xff\xfe"), 400),
+        (_post(server, "/v1/chat/completions", content=b"{not json", headers=JSON), 400),
+        (_post(server, "/v1/chat/completions", content=b"\xff\xfe", headers=JSON), 400),
         (_post(server, "/v1/chat/completions", json=[1, 2]), 400),
-        (_post(server, "/v1/chat/completions", content=b"x" * (65 * 1024)), 413),
+        (_post(server, "/v1/chat/completions", content=b"x" * (65 * 1024), headers=JSON), 413),
         (httpx.get(server.url + "/v1/chat/completions"), 405),
         (httpx.get(server.url + "/v2/nothing"), 404),
         (httpx.get(server.url + "/v1/models/other"), 404),
@@ -318,7 +321,7 @@ def test_malformed_bodies_and_paths(server, model_id):
         for _ in range(80):
             yield b" " * 1024
 
-    r = _post(server, "/v1/chat/completions", content=chunks())
+    r = _post(server, "/v1/chat/completions", content=chunks(), headers=JSON)
     assert r.status_code == 413
 
     # The openai client turns these into its exception types.

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ondevice.errors import OndeviceError
@@ -12,6 +14,7 @@ if TYPE_CHECKING:
     from ondevice.api import Generator
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+API_KEY_ENV = "ONDEVICE_API_KEY"
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,7 +72,40 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 request")
+    p.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help=f"require 'Authorization: Bearer KEY' on every /v1 request, KEY read from PATH "
+        f"(or set {API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--api-key",
+        help=f"the key itself (visible to every local user in the process list: prefer "
+        f"{API_KEY_ENV} or --api-key-file)",
+    )
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer requests for this Host name (default on loopback: 127.0.0.1, "
+        "localhost, ::1 only; other addresses answer any name unless this is given)",
+    )
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages from ORIGIN (e.g. http://localhost:3000, or '*') use the server; "
+        "by default only pages on an allowed host may",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a client has to send a request's head, and then its body (default: 30)",
+    )
     p.add_argument(
         "--max-queue",
         type=int,
@@ -89,6 +125,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file, --api-key or $ONDEVICE_API_KEY (in that order), or None."""
+    if args.api_key_file and args.api_key:
+        raise OndeviceError("give the key once: --api-key-file or --api-key, not both.")
+    if args.api_key_file:
+        path = Path(args.api_key_file).expanduser()
+        try:
+            key = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise OndeviceError(f"--api-key-file {path}: cannot read it ({e}).") from None
+        if not key:
+            raise OndeviceError(f"--api-key-file {path}: the file is empty; put the key in it.")
+        return key
+    if args.api_key is not None:
+        print(
+            "warning: --api-key is visible to every user of this machine in the process list; "
+            f"set {API_KEY_ENV} or use --api-key-file instead.",
+            file=sys.stderr,
+        )
+        if not args.api_key.strip():
+            raise OndeviceError("--api-key is empty.")
+        return args.api_key.strip()
+    return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise OndeviceError(f"--port {args.port}: choose a port between 0 and 65535.")
@@ -96,24 +157,34 @@ def run(args: argparse.Namespace) -> int:
         raise OndeviceError(f"--max-queue {args.max_queue}: must be 0 or more.")
     if args.max_body_bytes < 1024:
         raise OndeviceError(f"--max-body-bytes {args.max_body_bytes}: must be at least 1024.")
+    if not args.read_timeout > 0:
+        raise OndeviceError(f"--read-timeout {args.read_timeout}: must be more than 0 seconds.")
+    key = api_key(args)
     import uvicorn
 
-    from ondevice.apps.server import OpenAIServer
+    from ondevice.apps.server import LOOPBACK_HOSTS, OpenAIServer
 
+    if args.host in LOOPBACK:
+        hosts: tuple[str, ...] | None = (*LOOPBACK_HOSTS, *args.allow_host)
+    else:  # reached by names we cannot know; --allow-host turns the check on
+        hosts = (args.host, *LOOPBACK_HOSTS, *args.allow_host) if args.allow_host else None
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     gen = load_generator(args)
     warm_up(gen)
     server = OpenAIServer(
         gen,
         model_id=args.name,
-        api_key=args.api_key,
+        api_key=key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
+        allowed_hosts=hosts,
+        allowed_origins=args.allow_origin,
+        read_timeout=args.read_timeout,
     )
-    if args.host not in LOOPBACK and not args.api_key:
+    if args.host not in LOOPBACK and not key:
         print(
-            f"warning: serving on {args.host} without --api-key: anyone who can reach this "
-            "machine can use the model.",
+            f"warning: serving on {args.host} without an API key: anyone who can reach this "
+            f"machine can use the model (set {API_KEY_ENV} or --api-key-file).",
             file=sys.stderr,
         )
     host = f"[{args.host}]" if ":" in args.host else args.host
@@ -123,5 +194,9 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
+    config = server.uvicorn_config(args.host, args.port, log_level=args.log_level)
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
     return 0

@@ -5,6 +5,13 @@ One generation runs at a time: requests queue for the model in arrival order, up
 worker thread, so the event loop keeps serving health checks, metrics and new arrivals. A client
 that goes away cancels its generation, and the next request gets the model only once the worker
 has really stopped.
+
+Every request is screened before it reaches a handler (see docs/reliability.md): a Host outside
+the allow-list (DNS rebinding) gets 421, a foreign Origin (a web page driving the local server)
+403, a POST that is not JSON 415, a body that does not arrive in time 408, and a prompt that
+cannot fit the context is refused after tokenizing at most a bounded prefix of it. Every error,
+whichever handler raised it, is mapped once (`_api_error`) to OpenAI's error shape, so a client
+mistake stays a 4xx.
 """
 
 from __future__ import annotations
@@ -12,18 +19,27 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import anyio
+import h11
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 from ondevice.apps.openai_schema import (
     APIError,
@@ -41,6 +57,11 @@ if TYPE_CHECKING:
 # A long prompt is a few hundred KB of JSON; a body far beyond that is a mistake or an attack.
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
 FINGERPRINT = "ondevice"
+# Names a loopback server answers to by default. A browser sends the name it resolved, so a page
+# on attacker.example whose DNS later points at 127.0.0.1 (DNS rebinding) is refused.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# Seconds a client has to send a request head, and then its body; a slow client is cut off.
+DEFAULT_READ_TIMEOUT = 30.0
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -218,7 +239,105 @@ def _sse(data: dict[str, Any] | str) -> str:
 
 
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    # After a body that was cut short or too large, the connection's framing is lost: close it.
+    headers = {"Connection": "close"} if e.status in (408, 413) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _api_error(e: BaseException) -> APIError:
+    """The one mapping from an exception to the error a client sees, used by every handler.
+
+    anyio's task groups wrap whatever escapes them in an ExceptionGroup; the error inside is the
+    one that counts. A mistake in the request (OndeviceError, a body nested too deeply to
+    parse) is a 4xx; only what is left is the server's fault (500).
+    """
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ContextLengthError):
+        return APIError(400, str(e), param="messages", code="context_length_exceeded")
+    if isinstance(e, OndeviceError):
+        return APIError(400, str(e))
+    if isinstance(e, RecursionError):
+        return APIError(400, "The request body is nested too deeply.")
+    return APIError(500, f"Internal error: {type(e).__name__}: {e}", type="server_error")
+
+
+def _is_disconnect(e: BaseException) -> bool:
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    return isinstance(e, ClientDisconnect)
+
+
+def _hostname(value: str) -> str:
+    """The host part of a Host header or an origin's netloc: '[::1]:80' -> '::1'."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class _Screen:
+    """ASGI middleware: refuses a foreign Host (421) or Origin (403) before any route runs,
+    so unknown paths and /health are covered as well."""
+
+    def __init__(self, app: Any, server: OpenAIServer) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            error = self.server._screen(Headers(scope=scope))
+            if error is not None:
+                self.server.metrics.count_request("(screened)", error.status)
+                await _error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request head.
+
+    uvicorn arms its keep-alive timer only after a response, and any byte cancels it, so a
+    client that opens a connection and sends its head slowly (or not at all) holds the
+    connection forever. Here the head must be complete `read_timeout` seconds after the
+    connection opens or the previous response ends; the body has its own deadline in the app.
+    """
+
+    read_timeout = DEFAULT_READ_TIMEOUT
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        self._disarm_head_timer()
+        self._head_timer = self.loop.call_later(self.read_timeout, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if getattr(self, "_head_timer", None) is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()  # no complete head: nothing to answer
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:
+            self._disarm_head_timer()  # a head arrived
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
 
 
 class OpenAIServer:
@@ -232,11 +351,20 @@ class OpenAIServer:
         api_key: str | None = None,
         max_queue: int = 16,
         max_body_bytes: int = DEFAULT_MAX_BODY,
+        allowed_hosts: Iterable[str] | None = LOOPBACK_HOSTS,
+        allowed_origins: Iterable[str] = (),
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
     ) -> None:
+        """allowed_hosts: Host names served (None: any, for servers reached by many names);
+        allowed_origins: browser origins ('http://host:port', or '*') allowed besides those
+        on an allowed host. Requests without an Origin (every non-browser client) pass."""
         self.gen = gen
         self.model_id = model_id or gen.model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
+        self.allowed_origins = {o.lower().rstrip("/") for o in allowed_origins}
+        self.read_timeout = read_timeout
         self.metrics = Metrics()
         self.slot = ModelSlot(gen, max_queue, self.metrics)
         self.created = int(time.time())
@@ -254,9 +382,21 @@ class OpenAIServer:
         ]
         self.app = Starlette(
             routes=routes,
+            middleware=[Middleware(_Screen, server=self)],
             exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
         )
         self.app.state.server = self
+
+    def uvicorn_config(self, host: str = "127.0.0.1", port: int = 8080, **kwargs: Any) -> Any:
+        """The uvicorn configuration this server is meant to run with: a deadline for request
+        heads (`TimedH11Protocol`), idle keep-alive connections closed after 5 s, and request
+        heads of at most 16 KiB."""
+        import uvicorn
+
+        protocol = type("_Timed", (TimedH11Protocol,), {"read_timeout": self.read_timeout})
+        kwargs.setdefault("timeout_keep_alive", 5)
+        kwargs.setdefault("h11_max_incomplete_event_size", 16 * 1024)
+        return uvicorn.Config(self.app, host=host, port=port, http=protocol, **kwargs)
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -268,14 +408,46 @@ class OpenAIServer:
                 if auth:
                     self._check_key(request)
                 response = await handler(request)
-            except APIError as e:
-                response = _error_response(e)
-            except ClientDisconnect:
-                response = Response(status_code=499)  # nobody is listening; for the metrics
+            except Exception as e:
+                if _is_disconnect(e):
+                    response = Response(status_code=499)  # nobody is listening; for the metrics
+                else:
+                    response = _error_response(_api_error(e))
             self.metrics.count_request(path, response.status_code)
             return response
 
         return endpoint
+
+    def _screen(self, headers: Headers) -> APIError | None:
+        """A foreign Host (421) or Origin (403), or None if the request may proceed."""
+        host = _hostname(headers.get("host", ""))
+        if self.allowed_hosts is not None and host and host not in self.allowed_hosts:
+            return APIError(
+                421,
+                f"Host '{host}' is not served here (allowed: {', '.join(sorted(self.allowed_hosts))}). "
+                "Use one of those names, or start the server with `--allow-host NAME`.",
+                code="host_not_allowed",
+            )
+        origin = headers.get("origin")
+        if origin is not None and not self._origin_allowed(origin):
+            return APIError(
+                403,
+                f"Requests from the web origin '{origin}' are refused: a web page may not use "
+                "this server. Allow it with `ondevice serve --allow-origin ORIGIN`.",
+                code="origin_not_allowed",
+            )
+        return None
+
+    def _origin_allowed(self, origin: str) -> bool:
+        origin = origin.strip().lower().rstrip("/")
+        if "*" in self.allowed_origins or origin in self.allowed_origins:
+            return True
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return False  # "null" (sandboxed frames, file://) and anything odd
+        # Pages served from a name this server answers to (a local web UI) may use it.
+        hosts = self.allowed_hosts if self.allowed_hosts is not None else set(LOOPBACK_HOSTS)
+        return parts.hostname in hosts
 
     def _check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -288,7 +460,7 @@ class OpenAIServer:
             raise APIError(
                 401,
                 "Missing or incorrect API key. Send it as 'Authorization: Bearer <key>' "
-                "(the key given to `ondevice serve --api-key`).",
+                "(the key given to `ondevice serve` by ONDEVICE_API_KEY or --api-key-file).",
                 code="invalid_api_key",
             )
 
@@ -308,24 +480,56 @@ class OpenAIServer:
         return response
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
-        self.metrics.count_request(request.url.path, 500)
-        return _error_response(
-            APIError(500, f"Internal error: {type(exc).__name__}: {exc}", type="server_error")
-        )
+        response = _error_response(_api_error(exc))
+        self.metrics.count_request(request.url.path, response.status_code)
+        return response
 
     async def _json_body(self, request: Request) -> Any:
+        # A form or text/plain POST is what a web page can send without asking (no CORS
+        # preflight); requiring JSON closes that door and catches clients that forgot it.
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise APIError(
+                415,
+                f"Content-Type '{ctype or '(none)'}' is not supported: send the body as JSON "
+                "with 'Content-Type: application/json'.",
+                code="unsupported_media_type",
+            )
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self._too_large()
         body = bytearray()
-        async for part in request.stream():  # also bounds bodies sent without a length
-            body += part
-            if len(body) > self.max_body_bytes:
-                raise self._too_large()
         try:
-            return json.loads(body)
+            with anyio.fail_after(self.read_timeout):
+                async for part in request.stream():  # also bounds bodies sent without a length
+                    body += part
+                    if len(body) > self.max_body_bytes:
+                        raise self._too_large()
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"The request body did not arrive within {self.read_timeout:g} s.",
+                code="request_timeout",
+            ) from None
+        try:
+            data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"The request body is not valid JSON ({e}).") from None
+        except RecursionError:
+            raise APIError(400, "The request body is nested too deeply.") from None
+        if b"\\ud" in body.lower():  # an escaped surrogate: is any of them unpaired?
+            try:
+                json.dumps(data, ensure_ascii=False).encode("utf-8")
+            except RecursionError:
+                raise APIError(400, "The request body is nested too deeply.") from None
+            except UnicodeEncodeError as e:
+                raise APIError(
+                    400,
+                    "The request body holds an unpaired UTF-16 surrogate "
+                    f"('{e.object[e.start:e.end].encode('unicode_escape').decode()}'), which is "
+                    "not text. Send valid Unicode.",
+                ) from None
+        return data
 
     def _too_large(self) -> APIError:
         return APIError(
@@ -355,14 +559,28 @@ class OpenAIServer:
 
     async def _options(self, req: Any, prompt: Any, chat_template: bool) -> dict[str, Any]:
         """Generation keyword arguments; checks the prompt and max_tokens against the context."""
-        try:
-            n_prompt = await anyio.to_thread.run_sync(
-                lambda: self.gen.count_tokens(prompt, chat_template=chat_template)
-            )
-        except OndeviceError as e:
-            raise APIError(400, str(e), param="messages" if chat_template else "prompt") from None
         context = self.gen.context_length
         where = "messages" if chat_template else "prompt"
+
+        def count() -> int | None:
+            if _surely_too_long(self.gen.tokenizer, _prompt_texts(prompt), context):
+                return None
+            return self.gen.count_tokens(prompt, chat_template=chat_template)
+
+        try:
+            n_prompt = await anyio.to_thread.run_sync(count)
+        except OndeviceError as e:
+            raise APIError(400, str(e), param=where) from None
+        if n_prompt is None:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {context} tokens, and the prompt alone "
+                f"has more. Shorten the prompt.",
+                param=where,
+                code="context_length_exceeded",
+            )
+        if n_prompt == 0:
+            raise APIError(400, "The prompt is empty: it encodes to no tokens.", param=where)
         if n_prompt >= context:
             raise APIError(
                 400,
@@ -460,12 +678,36 @@ class OpenAIServer:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
-def _generation_error(e: BaseException) -> APIError:
-    if isinstance(e, ContextLengthError):
-        return APIError(400, str(e), param="messages", code="context_length_exceeded")
-    if isinstance(e, OndeviceError):
-        return APIError(400, str(e))
-    return APIError(500, f"Generation failed: {type(e).__name__}: {e}", type="server_error")
+def _prompt_texts(prompt: Any) -> list[str]:
+    """The text a prompt's length depends on: its string, or each message's content."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list):
+        return [m["content"] for m in prompt if isinstance(m, dict)]
+    return []  # token ids: their number is known already
+
+
+def _surely_too_long(tokenizer: Any, texts: Sequence[str], limit: int) -> bool:
+    """True if `texts` surely hold more than `limit` tokens, found without tokenizing them whole.
+
+    Each text is tokenized by prefixes that double in length, from 4 characters per token of
+    `limit`, until the count passes the limit (with a margin for the token a cut may split) or
+    the text ends. The work and memory are then bounded by the limit, not by the text: a 4 MB
+    prompt tokenized whole holds ~300 MB of tokenizer state before it could be refused.
+    """
+    bound = limit + limit // 8 + 16
+    total = 0
+    for text in texts:
+        n_chars = 4 * max(limit, 1)
+        while True:
+            n = len(tokenizer.encode(text[:n_chars], add_special_tokens=False))
+            if total + n > bound:
+                return True
+            if n_chars >= len(text):
+                total += n
+                break
+            n_chars *= 2
+    return False
 
 
 async def _collect(run: Run) -> tuple[str, Chunk]:
@@ -476,7 +718,7 @@ async def _collect(run: Run) -> tuple[str, Chunk]:
             parts += [c.text for c in chunks]
             last = chunks[-1]
     except Exception as e:
-        raise _generation_error(e) from None
+        raise _api_error(e) from None
     if last is None:
         raise APIError(500, "The generation ended without a result.", type="server_error")
     return "".join(parts), last
@@ -571,7 +813,7 @@ class _Shape:
                     yield "".join(events)
         except Exception as e:
             # Headers are gone already: report the error in the stream, as OpenAI does.
-            yield _sse(_generation_error(e).body())
+            yield _sse(_api_error(e).body())
         yield _sse("[DONE]")
 
 

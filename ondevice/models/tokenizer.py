@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from ondevice.errors import ModelFormatError, TokenizerMismatchError
+from ondevice.errors import ModelFormatError, OndeviceError, TokenizerMismatchError
 
 
 class Tokenizer:
@@ -104,7 +104,11 @@ class Tokenizer:
         return self._tok.id_to_token(i)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            _check_text(text)
+            raise
         if (
             add_special_tokens
             and self.add_bos_token
@@ -125,12 +129,17 @@ class Tokenizer:
                 "this model has no chat template; pass a plain string prompt or "
                 "chat_template=False (CLI: --no-chat-template)."
             )
-        return _compile(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return _compile(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as e:  # the template refuses these messages (e.g. role order)
+            raise OndeviceError(f"the model's chat template rejects these messages: {e}") from None
 
     def detokenizer(self) -> StreamingDetokenizer:
         return StreamingDetokenizer(self)
@@ -150,6 +159,21 @@ def _token_text(t: Any) -> str | None:
     if isinstance(t, dict):
         return t.get("content")
     return t
+
+
+def _check_text(text: Any) -> None:
+    """Raise OndeviceError if `text` is not a string of valid Unicode (the tokenizer's own
+    TypeError does not say which)."""
+    if not isinstance(text, str):
+        raise OndeviceError(f"expected text (a str), got {type(text).__name__}.")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start : e.end].encode("unicode_escape").decode()
+        raise OndeviceError(
+            f"the text holds an unpaired surrogate ('{bad}' at character {e.start}), which is "
+            "not valid Unicode; pass valid text."
+        ) from None
 
 
 _TEMPLATES: dict[str, Any] = {}
