@@ -50,9 +50,56 @@ def test_gguf_tokenizer_and_template(tmp_path):
     assert tiny.EOS_ID in tok.eos_token_ids
 
 
+K_QUANT_SIZES = {"hidden_size": 256, "intermediate": 512}  # K-quant rows are 256-value blocks
+
+
+@pytest.mark.parametrize("quant", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
+def test_gguf_k_quants_expand_exactly_and_requantize_closely(tmp_path, quant):
+    """llama.cpp's default downloads (Q4_K_M: Q4_K + Q6_K + Q5_0) load; `mx.load` refuses them."""
+    path, ref = tiny.write_gguf(tmp_path / "m.gguf", quant=quant, tie=False, **K_QUANT_SIZES)
+    st = tiny.write_model(
+        tmp_path / "st",
+        weights=ref["weights"],
+        vocab_size=ref["config"]["vocab_size"],
+        **K_QUANT_SIZES,
+    )
+    b = load_model(st)
+    toks = [5, 70, 80, 90, 100, 110, 6, 7]
+    expanded = load_model(path, dequantize=True)  # the CPU path: the file's values exactly
+    assert expanded.config.quantization is None
+    np.testing.assert_allclose(_logits(expanded.model, toks), _logits(b.model, toks), atol=2e-4)
+
+    packed = load_model(path)  # requantized to MLX's affine format, same bits
+    bits = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q5_0": 5}[quant]
+    assert packed.config.quantization["bits"] == bits
+    q_proj = packed.model.model.layers[0].self_attn.q_proj
+    import mlx.nn as nn
+
+    assert isinstance(q_proj, nn.QuantizedLinear) and q_proj.bits == bits
+    deq = np.array(
+        mx.dequantize(q_proj.weight, q_proj.scales, q_proj.biases, q_proj.group_size, bits)
+    )
+    want = ref["weights"]["model.layers.0.self_attn.q_proj.weight"]
+    groups = want.reshape(want.shape[0], -1, 32)
+    step = (groups.max(-1) - groups.min(-1)) / (2**bits - 1)  # one quantization step per group
+    err = np.abs(deq - want).reshape(groups.shape).max(-1)
+    # MLX snaps each group so that zero is exact: at most one step off; float16 scale and bias
+    assert (err <= step + 1e-3 * np.abs(groups).max(-1)).all()
+    got = _logits(packed.model, toks)
+    ref_logits = _logits(b.model, toks)
+    assert np.abs(got - ref_logits).max() < 0.1 * np.abs(ref_logits).max()
+
+
 def test_gguf_unsupported_quantization(tmp_path):
-    path, _ = tiny.write_gguf(tmp_path / "m.gguf", quant="Q5_0")
-    with pytest.raises(ModelFormatError, match=r"Q5_0.*Q4_0, Q4_1, Q8_0"):
+    path, _ = tiny.write_gguf(tmp_path / "m.gguf", quant="Q2_K", **K_QUANT_SIZES)
+    with pytest.raises(ModelFormatError, match=r"Q2_K.*supported: F32, F16, BF16, Q4_0"):
+        load_model(path)
+
+
+def test_gguf_truncated_data_is_named(tmp_path):
+    path, _ = tiny.write_gguf(tmp_path / "m.gguf", quant="Q4_K", **K_QUANT_SIZES)
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(ModelFormatError, match=r"m.gguf.*truncated"):
         load_model(path)
 
 

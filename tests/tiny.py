@@ -227,8 +227,8 @@ def write_gguf(path: Path, seed: int = 0, quant: str | None = None, **config_kwa
     tokens, merges, types = gguf_vocabulary()
     cfg = make_config(vocab_size=len(tokens), **config_kwargs)
     w = random_weights(cfg, seed)
-    qtype = {None: None, "Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1,
-             "Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q5_0": gguf.GGMLQuantizationType.Q5_0}[quant]
+    qtype = gguf.GGMLQuantizationType[quant] if quant else None
+    rng = np.random.default_rng(seed + 1)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -262,7 +262,10 @@ def write_gguf(path: Path, seed: int = 0, quant: str | None = None, **config_kwa
         elif ".attn_k." in gname:
             data = _llama_cpp_permute(arr, cfg["num_key_value_heads"])
         if qtype is not None and arr.ndim == 2:
-            packed = gguf.quants.quantize(data, qtype)
+            if quant in K_QUANT_SCALE_BYTES:
+                packed = random_k_quant(rng, data.shape, quant)
+            else:
+                packed = gguf.quants.quantize(data, qtype)
             writer.add_tensor(gname, packed, raw_dtype=qtype)
             back = gguf.quants.dequantize(packed, qtype).astype(np.float32)
             if ".attn_q." in gname or ".attn_k." in gname:
@@ -278,3 +281,24 @@ def write_gguf(path: Path, seed: int = 0, quant: str | None = None, **config_kwa
     writer.write_tensors_to_file()
     writer.close()
     return path, {"config": cfg, "weights": reference}
+
+
+# Where each K-quant block keeps its float16 super-block scales: (d offset, dmin offset or None).
+K_QUANT_SCALE_BYTES = {"Q2_K": (80, 82), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
+
+
+def random_k_quant(rng: np.random.Generator, shape: tuple[int, int], quant: str) -> np.ndarray:
+    """Random blocks of a llama.cpp K-quant for a (rows, cols) weight: gguf-py can read K-quants
+    but not write them. Every byte is random except the float16 super-block scales, which are
+    set small so the weights have the magnitude of real ones (~0.05)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[quant]]
+    rows, cols = shape
+    blocks = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    d_at, dmin_at = K_QUANT_SCALE_BYTES[quant]
+    d = np.full(blocks.shape[:2], 2e-4 if quant != "Q6_K" else 3e-5, np.float16)
+    blocks[..., d_at : d_at + 2] = d[..., None].view(np.uint8)
+    if dmin_at is not None:
+        blocks[..., dmin_at : dmin_at + 2] = (d * 4)[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)

@@ -49,7 +49,7 @@ def load_model(
             raise ModelFormatError(f"{path}: expected a .gguf file or a model folder.")
         from ondevice.models.gguf import load_gguf
 
-        cfg, weights, tok = load_gguf(path)
+        cfg, weights, tok = load_gguf(path, dequantize=dequantize)
         model = build_model(
             cfg, weights, dtype=dtype, quantize=quantize, dequantize=dequantize, source=str(path)
         )
@@ -63,8 +63,8 @@ def load_model(
     _check_extra_fields(path / "config.json", cfg)
     weights = read_safetensors_dir(path)
     model = build_model(
-            cfg, weights, dtype=dtype, quantize=quantize, dequantize=dequantize, source=str(path)
-        )
+        cfg, weights, dtype=dtype, quantize=quantize, dequantize=dequantize, source=str(path)
+    )
     tok = Tokenizer.from_dir(path, eos_token_ids=cfg.eos_token_id)
     return LoadedModel(model, cfg, tok, path)
 

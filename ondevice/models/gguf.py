@@ -1,15 +1,19 @@
 """GGUF files from llama.cpp: config, tokenizer and weights without torch or transformers.
 
-Weights go through `mx.load`, which keeps Q4_0/Q4_1/Q8_0 tensors in MLX's own affine quantized
-format (group size 32); the bits of each tensor follow from its packed shape. Before that, a small
-reader of the GGUF header checks every tensor's type, so an unsupported quantization gets a clear
-error naming the tensor instead of a failure deep inside `mx.load`.
+A small reader of the GGUF header gives the metadata and the tensor table, and checks every
+tensor's type first, so an unsupported quantization gets a clear error naming the tensor.
+Files whose tensors are all F32/F16/Q4_0/Q4_1/Q8_0 load through `mx.load`, which keeps the
+quantized ones in MLX's own affine format (group size 32; bits follow from the packed shape).
+Other block formats, llama.cpp's K-quants above all (its default Q4_K_M download), are not read
+by `mx.load` ("gguf_tensor_to_f16 failed"): those files are memory-mapped and expanded by the
+`gguf` package's numpy kernels, then requantized to MLX's format or kept as floats.
 """
 
 from __future__ import annotations
 
 import struct
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -53,8 +57,17 @@ GGML_TYPES = {
     29: "IQ1_M",
     30: "BF16",
 }
-SUPPORTED_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
-GROUP_SIZE = 32  # every GGUF block format that mx.load keeps quantized uses 32-value blocks
+# Read by `mx.load`, which keeps Q4_0/Q4_1/Q8_0 packed in MLX's own format.
+MLX_NATIVE_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
+# Expanded by the `gguf` package (its numpy kernels), then requantized with these bits unless
+# the caller wants floats. llama.cpp's Q4_K_M files mix Q4_K, Q6_K and Q5_0/Q8_0.
+REQUANT_BITS = {
+    "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6
+}
+SUPPORTED_TYPES = ("F32", "F16", "BF16", *REQUANT_BITS)
+# MLX group size for GGUF tensors: the block size of Q4_0..Q8_0 and the scale groups of Q4_K and
+# Q5_K, so those requantize (almost) exactly; Q6_K's 16-value groups are approximated.
+GROUP_SIZE = 32
 
 _ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -104,24 +117,55 @@ _SCALARS = {
 }
 
 
-def _skip_value(f: BinaryIO, vtype: int) -> None:
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    type: str  # GGML type name ("Q4_K")
+    shape: tuple[int, ...]  # numpy order (GGUF stores dimensions fastest-first)
+    offset: int  # from the start of the data section
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Header:
+    version: int
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo]
+    data_start: int
+
+
+def _read_value(f: BinaryIO, vtype: int) -> Any:
     if vtype in _SCALARS:
-        f.seek(struct.calcsize(_SCALARS[vtype]), 1)
-    elif vtype == 8:
-        f.seek(_read(f, "Q"), 1)
-    elif vtype == 9:
+        return _read(f, _SCALARS[vtype])
+    if vtype == 8:
+        return _read_str(f)
+    if vtype == 9:
         item, n = _read(f, "I"), _read(f, "Q")
         if item in _SCALARS:
-            f.seek(n * struct.calcsize(_SCALARS[item]), 1)
-        else:
-            for _ in range(n):
-                _skip_value(f, item)
-    else:
-        raise ValueError(f"unknown metadata value type {vtype}")
+            fmt = _SCALARS[item]
+            size = struct.calcsize(fmt) * n
+            data = f.read(size)
+            if len(data) != size:
+                raise EOFError
+            return list(struct.unpack(f"<{n}{fmt}", data))
+        return [_read_value(f, item) for _ in range(n)]
+    raise ValueError(f"unknown metadata value type {vtype}")
 
 
-def tensor_types(path: Path) -> dict[str, str]:
-    """Name -> GGML type name of every tensor, read from the file header alone."""
+def _tensor_nbytes(type_name: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor's data: whole blocks along the fastest dimension."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    except KeyError:
+        return 0  # a type we cannot size is refused by name before anything reads its data
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return rows * (shape[-1] // block) * size
+
+
+def read_header(path: Path) -> Header:
+    """Metadata and tensor table of a GGUF file (its data is not read)."""
     try:
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
@@ -130,22 +174,34 @@ def tensor_types(path: Path) -> dict[str, str]:
             if version < 2:
                 raise ModelFormatError(f"{path}: GGUF version {version} is too old (need 2 or 3).")
             n_tensors, n_kv = _read(f, "Q"), _read(f, "Q")
+            meta: dict[str, Any] = {}
             for _ in range(n_kv):
-                _read_str(f)
-                _skip_value(f, _read(f, "I"))
-            types = {}
+                key = _read_str(f)
+                meta[key] = _read_value(f, _read(f, "I"))
+            tensors = []
             for _ in range(n_tensors):
                 name = _read_str(f)
                 n_dims = _read(f, "I")
-                f.seek(8 * n_dims, 1)
+                dims = [_read(f, "Q") for _ in range(n_dims)]
                 t = _read(f, "I")
-                f.seek(8, 1)
-                types[name] = GGML_TYPES.get(t, f"type {t}")
-            return types
-    except (EOFError, ValueError, struct.error):
+                offset = _read(f, "Q")
+                type_name = GGML_TYPES.get(t, f"type {t}")
+                shape = tuple(reversed(dims))
+                tensors.append(
+                    TensorInfo(name, type_name, shape, offset, _tensor_nbytes(type_name, shape))
+                )
+            align = int(meta.get("general.alignment", 32))
+            data_start = -(-f.tell() // align) * align
+            return Header(version, meta, tensors, data_start)
+    except (EOFError, ValueError, struct.error, UnicodeDecodeError):
         raise ModelFormatError(
             f"{path}: truncated or corrupt GGUF header; download it again."
         ) from None
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    """Name -> GGML type name of every tensor, read from the file header alone."""
+    return {t.name: t.type for t in read_header(path).tensors}
 
 
 # -- config and tokenizer --------------------------------------------------------------------
@@ -275,54 +331,61 @@ def _unpermute(w: mx.array, n_heads: int) -> mx.array:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, mx.array], Tokenizer]:
+def _hf_name(base: str) -> str | None:
+    """The Hugging Face module path of a GGUF tensor base name (None: not used by the model)."""
+    if base == "token_embd":
+        return "model.embed_tokens"
+    if base == "output_norm":
+        return "model.norm"
+    if base == "output":
+        return "lm_head"
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        if part in _NAMES:
+            return f"model.layers.{layer}.{_NAMES[part]}"
+    return None  # e.g. rope_freqs: not used by the supported architectures
+
+
+def _needs_unpermute(arch: str, base: str) -> str | None:
+    """Which projection ("q" or "k") llama.cpp stored with rows permuted for interleaved RoPE,
+    or None. stored this tensor's rows permuted for interleaved RoPE."""
+    if arch in ("llama", "mistral") and base.startswith("blk."):
+        part = base.split(".", 2)[2]
+        return {"attn_q": "q", "attn_k": "k"}.get(part)
+    return None
+
+
+def load_gguf(
+    path: str | Path, *, dequantize: bool = False
+) -> tuple[ModelConfig, dict[str, mx.array], Tokenizer]:
+    """Config, weights (Hugging Face names) and tokenizer of a llama.cpp GGUF file.
+
+    Files whose tensors are all F32/F16/Q4_0/Q4_1/Q8_0 go through `mx.load`, which keeps the
+    quantized ones in MLX's own format. Files with other block formats (llama.cpp's K-quants,
+    Q5_0, ...) are dequantized by the `gguf` package; `dequantize=True` keeps those floats
+    exactly, otherwise they are requantized to MLX's affine format (same bits, groups of 32) so
+    the weights stay small where MLX runs quantized (Apple GPUs, bundles on disk).
+    """
     path = Path(path)
     source = str(path)
-    types = tensor_types(path)
-    bad = {n: t for n, t in types.items() if t not in SUPPORTED_TYPES}
+    header = read_header(path)
+    bad = {t.name: t.type for t in header.tensors if t.type not in SUPPORTED_TYPES}
     if bad:
         name, t = next(iter(bad.items()))
         raise ModelFormatError(
             f"{source}: tensor {name!r} uses GGUF type {t}, which ondevice cannot load "
             f"(supported: {', '.join(SUPPORTED_TYPES)}; {len(bad)} tensor(s) affected). "
-            "Use a Q4_0, Q4_1, Q8_0, F16 or F32 file, or the model's safetensors."
+            "Use a file in one of those types (llama.cpp's Q4_K_M, Q8_0 or F16 downloads "
+            "work), or the model's safetensors."
         )
-    try:
-        raw, meta = mx.load(str(path), return_metadata=True)
-    except Exception as e:
-        raise ModelFormatError(
-            f"{source}: cannot read GGUF weights ({e}); the file may be truncated."
-        ) from None
+    meta = header.metadata
+    names = {t.name for t in header.tensors}
     n_vocab = len(meta.get("tokenizer.ggml.tokens") or [])
-    cfg = config_from_metadata(meta, n_vocab, "output.weight" in raw, source)
-    arch = cfg.model_type
-    weights: dict[str, mx.array] = {}
-    quant: dict[str, Any] = {}
-    for name, w in raw.items():
-        base, _, kind = name.rpartition(".")  # kind: weight, scales, biases, bias
-        if base == "token_embd":
-            hf = "model.embed_tokens"
-        elif base == "output_norm":
-            hf = "model.norm"
-        elif base == "output":
-            hf = "lm_head"
-        elif base.startswith("blk."):
-            _, layer, part = base.split(".", 2)
-            if part not in _NAMES:
-                continue  # e.g. rope_freqs: not used by the supported architectures
-            hf = f"model.layers.{layer}.{_NAMES[part]}"
-            if arch in ("llama", "mistral") and part in ("attn_q", "attn_k"):
-                heads = cfg.num_attention_heads if part == "attn_q" else cfg.num_key_value_heads
-                w = _unpermute(w, heads)
-        else:
-            continue
-        if kind == "bias" and base.startswith("blk."):
-            kind = "bias"
-        weights[f"{hf}.{kind}"] = w
-        if kind == "scales":
-            packed = raw[f"{base}.weight"]
-            in_features = w.shape[-1] * GROUP_SIZE
-            quant[hf] = {"group_size": GROUP_SIZE, "bits": packed.shape[-1] * 32 // in_features}
+    cfg = config_from_metadata(meta, n_vocab, "output.weight" in names, source)
+    if all(t.type in MLX_NATIVE_TYPES for t in header.tensors):
+        weights, quant = _load_native(path, cfg)
+    else:
+        weights, quant = _load_dequantized(path, header, cfg, requantize=not dequantize)
     if quant:
         common = Counter((q["group_size"], q["bits"]) for q in quant.values()).most_common(1)[0][0]
         cfg.quantization = {"group_size": common[0], "bits": common[1]}
@@ -331,6 +394,95 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, mx.array], Token
         )
     tokenizer = tokenizer_from_metadata(meta, source)
     return cfg, weights, tokenizer
+
+
+def _heads(cfg: ModelConfig, which: str) -> int:
+    return cfg.num_attention_heads if which == "q" else cfg.num_key_value_heads
+
+
+def _load_native(
+    path: Path, cfg: ModelConfig
+) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
+    """Every tensor through `mx.load`: quantized ones stay packed (bits from the packed shape)."""
+    try:
+        raw = mx.load(str(path))
+    except Exception as e:
+        raise ModelFormatError(
+            f"{path}: cannot read GGUF weights ({e}); the file may be truncated."
+        ) from None
+    weights: dict[str, mx.array] = {}
+    quant: dict[str, dict[str, int]] = {}
+    for name, w in raw.items():
+        base, _, kind = name.rpartition(".")  # kind: weight, scales, biases, bias
+        hf = _hf_name(base)
+        if hf is None:
+            continue
+        which = _needs_unpermute(cfg.model_type, base)
+        if which:
+            w = _unpermute(w, _heads(cfg, which))
+        weights[f"{hf}.{kind}"] = w
+        if kind == "scales":
+            packed = raw[f"{base}.weight"]
+            in_features = w.shape[-1] * GROUP_SIZE
+            quant[hf] = {"group_size": GROUP_SIZE, "bits": packed.shape[-1] * 32 // in_features}
+    return weights, quant
+
+
+def _load_dequantized(
+    path: Path, header: Header, cfg: ModelConfig, requantize: bool
+) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
+    """Every tensor read from a memory map and expanded by `gguf`'s numpy kernels (two threads:
+    numpy releases the GIL in them), then optionally requantized to MLX's format."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    try:
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"{path}: cannot map the GGUF file ({e}).") from None
+    end = max((t.offset + t.nbytes for t in header.tensors), default=0)
+    if header.data_start + end > data.size:
+        raise ModelFormatError(
+            f"{path}: the file ends {header.data_start + end - data.size} bytes early; it is "
+            "truncated. Download it again."
+        )
+
+    def expand(t: TensorInfo) -> np.ndarray:  # numpy only: runs in the pool's threads
+        raw = data[header.data_start + t.offset : header.data_start + t.offset + t.nbytes]
+        if t.type == "BF16":
+            return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
+        if t.type in ("F32", "F16"):
+            return raw.view(np.float32 if t.type == "F32" else np.float16).reshape(t.shape)
+        qtype = GGMLQuantizationType[t.type]
+        return gguf_dequantize(raw.reshape(*t.shape[:-1], -1), qtype).reshape(t.shape)
+
+    used = [(t, hf) for t in header.tensors if (hf := _hf_name(t.name.rpartition(".")[0]))]
+    weights: dict[str, mx.array] = {}
+    quant: dict[str, dict[str, int]] = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        # A short window of tensors in flight bounds memory to a few expanded tensors.
+        window = [pool.submit(expand, t) for t, _ in used[:3]]
+        for i, (t, hf) in enumerate(used):
+            if i + 3 < len(used):
+                window.append(pool.submit(expand, used[i + 3][0]))
+            w = mx.array(window.pop(0).result())
+            base, _, kind = t.name.rpartition(".")
+            which = _needs_unpermute(cfg.model_type, base)
+            if which:
+                w = _unpermute(w, _heads(cfg, which))
+            bits = REQUANT_BITS.get(t.type)
+            if requantize and bits is not None and w.ndim == 2:
+                q, scales, biases = mx.quantize(w, group_size=GROUP_SIZE, bits=bits)
+                weights[f"{hf}.weight"] = q
+                weights[f"{hf}.scales"] = scales.astype(mx.float16)
+                weights[f"{hf}.biases"] = biases.astype(mx.float16)
+                quant[hf] = {"group_size": GROUP_SIZE, "bits": bits}
+            else:
+                weights[f"{hf}.{kind}"] = w
+            mx.eval(weights)  # let go of the numpy copy before the next tensor
+    return weights, quant
 
 
 def dequantize_all(weights: dict[str, mx.array], quant: dict[str, Any] | None) -> dict[str, np.ndarray]:
