@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -380,3 +381,133 @@ def test_open_bundle_errors(bundle_dir: Path, tmp_path: Path) -> None:
         open_bundle(b)
     with pytest.raises(BundleError, match="missing"):
         open_bundle(b, verify=True)
+
+
+# -- issue 16: corrupt bundles are not used, the manifest is not trusted -------------------------
+
+
+def _copy(bundle_dir: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(bundle_dir, dest)
+    return dest
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _edit_manifest(root: Path, edit) -> None:  # noqa: ANN001
+    m = json.loads((root / "manifest.json").read_text())
+    edit(m)
+    (root / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        ("flip", "verifier/model.safetensors"),
+        ("checksum", "tokenizer/tokenizer.json"),
+        ("delete", "tokenizer/tokenizer.json"),
+        ("truncate", "draft/mlx/model.safetensors"),
+    ],
+)
+def test_load_refuses_a_damaged_bundle(
+    bundle_dir: Path, tmp_path: Path, damage: str, named: str
+) -> None:
+    """`ondevice.load` checks a bundle before using it (it loaded and generated from each of
+    these before), and names the damaged file."""
+    import ondevice
+
+    b = _copy(bundle_dir, tmp_path / "b")
+    f = b / named
+    if damage == "flip":
+        _flip_byte(f, f.stat().st_size // 2)
+    elif damage == "checksum":
+        _edit_manifest(b, lambda m: m["files"][named].update(sha256="0" * 64))
+    elif damage == "delete":
+        f.unlink()
+    else:
+        f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(BundleError, match=named):
+        ondevice.load(b)
+    assert cli.main(["--check", str(b)]) == 1
+
+
+def test_the_quick_check_samples_large_files(tmp_path: Path) -> None:
+    """A large file is checked by a sample of its blocks on every load (first and last block
+    included); `verify="full"` and `--check` read every byte."""
+    from ondevice.convert.bundle import file_entries, write_manifest
+    from ondevice.models.bundle import SAMPLE_BLOCK
+
+    root = tmp_path / "b"
+    for d in ("verifier", "draft/mlx", "tokenizer"):
+        (root / d).mkdir(parents=True)
+    big = root / "verifier" / "model.safetensors"
+    big.write_bytes(np.random.default_rng(0).bytes(3 * 1024 * 1024))
+    files = file_entries(root)
+    assert "sample_sha256" in files["verifier/model.safetensors"]
+    write_manifest(root, {"context_length": 8, "tokenizer": {}, "verifier": {}, "draft": {},
+                          "files": files})  # fmt: skip
+    open_bundle(root)
+    for offset, sampled in ((0, True), (big.stat().st_size - 1, True), (SAMPLE_BLOCK + 10, False)):
+        _flip_byte(big, offset)
+        if sampled:
+            with pytest.raises(BundleError, match="model.safetensors: sampled sha256"):
+                open_bundle(root)
+        else:
+            open_bundle(root)  # between samples: only the full check sees it
+        with pytest.raises(BundleError, match="model.safetensors: sha256"):
+            open_bundle(root, verify="full")
+        _flip_byte(big, offset)  # repaired
+    open_bundle(root, verify="full")
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda m: m.update(context_length="abc"), "context_length"),
+        (lambda m: m.update(context_length=True), "context_length"),
+        (lambda m: m.update(files=[1, 2]), "files"),
+        (lambda m: m.update(draft=None), "draft"),
+        (lambda m: m.update(tokenizer="t"), "tokenizer"),
+        (lambda m: m["tokenizer"].update(eos_token_ids="2"), "tokenizer.eos_token_ids"),
+        (lambda m: m["draft"].update(functions=[1]), "draft.functions"),
+        (lambda m: m["files"].update({"x": {"size": "1", "sha256": "0" * 64}}), "files.x.size"),
+        (lambda m: m["files"].update({"x": {"size": 1, "sha256": 5}}), "files.x.sha256"),
+        (lambda m: m["files"].update({"x": 3}), "files.x"),
+        (lambda m: m["files"].update({"../../../../etc/passwd": {"size": 1, "sha256": "0" * 64}}),
+         "files.../../../../etc/passwd"),
+        (lambda m: m["files"].update({"/etc/passwd": {"size": 1, "sha256": "0" * 64}}), "files./etc/passwd"),
+        (lambda m: m["verifier"].update(path="/etc"), "verifier.path"),
+        (lambda m: m["draft"].update(mlx="draft/../../.."), "draft.mlx"),
+        (lambda m: m["tokenizer"].update(path=7), "tokenizer.path"),
+    ],
+)  # fmt: skip
+def test_a_bad_manifest_is_refused_by_field(
+    bundle_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit, field: str  # noqa: ANN001
+) -> None:
+    b = _copy(bundle_dir, tmp_path / "b")
+    _edit_manifest(b, edit)
+    for verify in (False, True):
+        with pytest.raises(BundleError, match=f"'{re.escape(field)}'"):
+            open_bundle(b, verify=verify)
+    capsys.readouterr()
+    assert cli.main(["--check", str(b)]) == 1  # one line, no traceback, nothing hashed outside
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and field in err and "Traceback" not in err
+
+
+def test_a_symlink_out_of_the_bundle_is_refused(bundle_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    b = _copy(bundle_dir, tmp_path / "b")
+    outside = tmp_path / "elsewhere"
+    shutil.move(b / "tokenizer", outside)
+    (b / "tokenizer").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(BundleError, match="outside the bundle"):
+        open_bundle(b)
+    with pytest.raises(BundleError, match="outside the bundle"):
+        open_bundle(b, verify=False)

@@ -20,13 +20,20 @@ from pathlib import Path
 from typing import Any
 
 from ondevice.errors import BundleError
-from ondevice.models.bundle import FORMAT_VERSION, MANIFEST, sha256_file
+from ondevice.models.bundle import (
+    FORMAT_VERSION,
+    MANIFEST,
+    is_sampled,
+    sample_sha256,
+    sha256_file,
+)
 
 
 def file_entries(
     root: Path, progress: Callable[[int], None] | None = None
 ) -> dict[str, dict[str, Any]]:
-    """Relative path -> {sha256, size} of every file under `root` except the manifest.
+    """Relative path -> {sha256, size[, sample_sha256]} of every file under `root` except the
+    manifest; large files also get the digest of the sample `open_bundle` checks on every load.
 
     Walks into `.mlpackage` directories too: their weight blobs are what a bad copy damages.
     `progress(n_bytes)` is called after each file (for a byte progress bar).
@@ -38,6 +45,8 @@ def file_entries(
             continue
         size = f.stat().st_size
         entries[rel] = {"sha256": sha256_file(f), "size": size}
+        if is_sampled(size):
+            entries[rel]["sample_sha256"] = sample_sha256(f, size)
         if progress:
             progress(size)
     return entries

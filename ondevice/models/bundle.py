@@ -2,8 +2,12 @@
 
 A bundle (written by `ondevice-convert`) is a directory holding `manifest.json`, `verifier/`,
 `draft/draft.mlpackage`, `draft/mlx/` and `tokenizer/`. The manifest records every file's sha256
-and size, so a damaged download is caught by `open_bundle(path, verify=True)` (or
-`ondevice-convert --check`) instead of surfacing later as garbage output.
+and size, and for large files the sha256 of a fixed sample of blocks. `open_bundle` checks, by
+default, that every file is there with its size, small files by their full sha256 and large ones
+by their sample (about 1 MiB read per file): a missing, truncated or swapped file, or damage in a
+sampled block, stops the load with the file's name. `verify="full"` (and `ondevice-convert
+--check`) hashes every byte. The manifest itself is validated: wrong types raise BundleError
+naming the field, and every path in it must stay inside the bundle.
 
 This module only reads; writing lives in `ondevice.convert.bundle` (runtime code must not import
 the converter).
@@ -15,8 +19,8 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any, Literal
 
 from ondevice.errors import BundleError
 
@@ -27,6 +31,11 @@ FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
 
 _HASH_BLOCK = 1 << 20
+# The quick check reads SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes, evenly spread, from a file
+# larger than their total; smaller files are hashed whole.
+SAMPLE_BLOCK = 64 * 1024
+SAMPLE_BLOCKS = 16
+Verify = Literal["none", "sample", "full"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,84 @@ def sha256_file(path: Path, progress: Callable[[int], object] | None = None) -> 
     return h.hexdigest()
 
 
+def sample_sha256(path: Path, size: int | None = None) -> str:
+    """Hex sha256 of SAMPLE_BLOCKS blocks spread evenly over a file (first and last included)."""
+    size = path.stat().st_size if size is None else size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for i in range(SAMPLE_BLOCKS):
+            f.seek(i * max(size - SAMPLE_BLOCK, 0) // (SAMPLE_BLOCKS - 1))
+            h.update(f.read(SAMPLE_BLOCK))
+    return h.hexdigest()
+
+
+def is_sampled(size: int) -> bool:
+    """Whether the quick check reads a sample of a file of `size` bytes (else the whole)."""
+    return size > SAMPLE_BLOCK * SAMPLE_BLOCKS
+
+
+def _bad(mf: Path, field: str, expected: str, value: Any) -> BundleError:
+    return BundleError(
+        f"{mf}: field {field!r} must be {expected}, not {json.dumps(value)[:60]}; the manifest is "
+        "corrupted. Re-run `ondevice-convert` (or copy the bundle again)."
+    )
+
+
+def _relpath(mf: Path, field: str, value: Any) -> str:
+    """A path inside the bundle: relative, without '..', in POSIX form."""
+    if not isinstance(value, str) or not value.strip():
+        raise _bad(mf, field, "a relative path (a non-empty string)", value)
+    pure = PurePosixPath(value)
+    if pure.is_absolute() or PureWindowsPath(value).drive or ".." in pure.parts or "\\" in value:
+        raise BundleError(
+            f"{mf}: field {field!r} is {value!r}, a path outside the bundle; a bundle only "
+            "refers to its own files. The manifest is corrupted or was tampered with."
+        )
+    return value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _validate(mf: Path, m: dict[str, Any]) -> None:
+    """Types and paths of every field the reader uses, so a bad manifest fails here, by name."""
+    if not _is_int(m["context_length"]) or m["context_length"] < 1:
+        raise _bad(mf, "context_length", "a positive integer", m["context_length"])
+    for section in ("tokenizer", "verifier", "draft"):
+        if not isinstance(m[section], dict):
+            raise _bad(mf, section, "an object", m[section])
+    files = m["files"]
+    if not isinstance(files, dict):
+        raise _bad(mf, "files", "an object of path -> {sha256, size}", files)
+    for rel, entry in files.items():
+        _relpath(mf, f"files.{rel}", rel)
+        if not isinstance(entry, dict):
+            raise _bad(mf, f"files.{rel}", "an object with sha256 and size", entry)
+        if not _is_int(entry.get("size")) or entry["size"] < 0:
+            raise _bad(mf, f"files.{rel}.size", "a byte count", entry.get("size"))
+        for key in ("sha256", "sample_sha256"):
+            value = entry.get(key)
+            if (value is not None or key == "sha256") and not _is_hex64(value):
+                raise _bad(mf, f"files.{rel}.{key}", "64 hex digits", value)
+    eos = m["tokenizer"].get("eos_token_ids", [])
+    if not isinstance(eos, list) or not all(_is_int(i) and i >= 0 for i in eos):
+        raise _bad(mf, "tokenizer.eos_token_ids", "a list of token ids", eos)
+    functions = m["draft"].get("functions")
+    if functions is not None and not isinstance(functions, dict):
+        raise _bad(mf, "draft.functions", "an object", functions)
+    for section, key in _PATHS:
+        if m[section].get(key) is not None:  # absent: the default layout
+            _relpath(mf, f"{section}.{key}", m[section][key])
+
+
+def _is_hex64(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
+_PATHS = (("verifier", "path"), ("draft", "mlx"), ("draft", "mlpackage"), ("tokenizer", "path"))
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """The parsed manifest of the bundle at `path`, with its format version checked."""
     root = Path(path).expanduser()
@@ -99,15 +186,26 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     for key in ("files", "context_length", "tokenizer", "verifier", "draft"):
         if key not in manifest:
             raise BundleError(f"{mf}: lacks the field {key!r}; the bundle is corrupted.")
+    _validate(mf, manifest)
     return manifest
 
 
-def verify_files(root: str | Path, manifest: dict[str, Any]) -> list[str]:
-    """Problems with the bundle's files (missing, wrong size, wrong sha256); empty if intact."""
+def _inside(root: Path, rel: str) -> Path | None:
+    """`root / rel` if it resolves inside `root` (a symlink may point elsewhere), else None."""
+    target = (root / rel).resolve()
+    return target if target.is_relative_to(root.resolve()) else None
+
+
+def verify_files(root: str | Path, manifest: dict[str, Any], mode: Verify = "full") -> list[str]:
+    """Problems with the bundle's files (missing, wrong size, wrong sha256, outside the bundle);
+    empty if intact. mode "sample": large files are checked by their sample digest only."""
     root = Path(root)
     problems: list[str] = []
     for rel, entry in sorted(manifest["files"].items()):
-        f = root / rel
+        f = _inside(root, rel)
+        if f is None:
+            problems.append(f"{rel}: points outside the bundle (a symlink?); refusing to read it")
+            continue
         if not f.is_file():
             problems.append(f"{rel}: missing")
             continue
@@ -115,14 +213,23 @@ def verify_files(root: str | Path, manifest: dict[str, Any]) -> list[str]:
         if size != entry.get("size"):
             problems.append(f"{rel}: size {size} bytes, manifest says {entry.get('size')}")
             continue
-        if sha256_file(f) != entry.get("sha256"):
+        if mode == "sample" and is_sampled(size):
+            want = entry.get("sample_sha256")
+            if want is not None and sample_sha256(f, size) != want:
+                problems.append(f"{rel}: sampled sha256 differs from the manifest (file is corrupted)")
+        elif sha256_file(f) != entry.get("sha256"):
             problems.append(f"{rel}: sha256 differs from the manifest (file is corrupted)")
     return problems
 
 
 def _subdir(root: Path, manifest: dict[str, Any], section: str, key: str, default: str) -> Path:
     rel = manifest[section].get(key, default)
-    d = root / rel
+    d = _inside(root, rel)
+    if d is None:
+        raise BundleError(
+            f"{root / MANIFEST}: {section}.{key} ({rel!r}) leads outside the bundle (a symlink?); "
+            "a bundle only refers to its own files."
+        )
     if not d.exists():
         raise BundleError(
             f"{d}: missing from the bundle ({section}.{key} in {MANIFEST}); the bundle is "
@@ -131,12 +238,17 @@ def _subdir(root: Path, manifest: dict[str, Any], section: str, key: str, defaul
     return d
 
 
-def open_bundle(path: str | Path, verify: bool = False) -> Bundle:
-    """Open the bundle at `path`; with `verify`, check every file's size and sha256 first."""
+def open_bundle(path: str | Path, verify: bool | Verify = "sample") -> Bundle:
+    """Open the bundle at `path`, first checking its files: "sample" (the default) checks every
+    size, small files' sha256 and large files' sampled digest; "full" (or True) every sha256;
+    "none" (or False) nothing."""
+    mode: Verify = "full" if verify is True else "none" if verify is False else verify
+    if mode not in ("none", "sample", "full"):
+        raise ValueError(f"verify={verify!r}: use 'none', 'sample' or 'full'")
     root = Path(path).expanduser().resolve()
     manifest = read_manifest(root)
-    if verify:
-        problems = verify_files(root, manifest)
+    if mode != "none":
+        problems = verify_files(root, manifest, mode)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise BundleError(
