@@ -2,20 +2,22 @@
 
 Reports the platform, Python, MLX and its default device, Core ML, the BLAS library MLX's matrix
 products actually go to (on Linux), and the cache with its models. The BLAS check matters: the
-`mlx-cpu` wheel links a reference BLAS that is 5-30x slower than OpenBLAS, and preloading
-OpenBLAS fixes it without rebuilding anything.
+`mlx-cpu` wheel links a reference BLAS that is 5-30x slower than MKL or OpenBLAS; ondevice opens
+one of those before MLX loads (`ondevice.runtime.blas`), and doctor says which one serves MLX.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from pathlib import Path
 from typing import Any
 
-OPENBLAS_PACKAGE = "libopenblas0-pthread"
+from ondevice.runtime import blas
+
 _BLAS_SYMBOL = "cblas_sgemm"  # what libmlx calls for float32 matrix products
 
 
@@ -53,7 +55,7 @@ def collect() -> dict[str, Any]:
         "python": {"version": platform.python_version(), "executable": sys.executable},
         "ondevice": {"version": _version("ondevice")},
         "mlx": _mlx(warnings),
-        "coreml": _coreml(),
+        "coreml": _coreml(warnings),
         "blas": _blas(warnings),
         "cache": _cache(),
     }
@@ -84,16 +86,67 @@ def _mlx(warnings: list[str]) -> dict[str, Any]:
     }
 
 
-def _coreml() -> dict[str, Any]:
-    try:
-        from ondevice.runtime.engines import coreml_available
+# coremltools' native modules: conversion needs the first two (without them saving fails with
+# "BlobWriter not loaded"), Core ML prediction the third (built for macOS only).
+CONVERSION_MODULES = ("libmilstoragepython", "libmodelpackage")
+PREDICTION_MODULE = "libcoremlpython"
 
-        available = bool(coreml_available())
-    except ImportError:
-        available = False
-    # coremltools' version comes from its metadata: importing it on Linux prints warnings
-    # about its missing native module, and conversion does not need that module anyway.
-    return {"prediction_available": available, "coremltools": _version("coremltools")}
+
+def _coreml(warnings: list[str]) -> dict[str, Any]:
+    from ondevice.runtime.engines import coreml_status
+
+    reason = coreml_status()
+    native = {name: _native_module(name) for name in (*CONVERSION_MODULES, PREDICTION_MODULE)}
+    missing = [n for n in CONVERSION_MODULES if native[n] != "ok"]
+    if missing:
+        from ondevice.runtime.coreml_engines import native_module_hint
+
+        warnings.append(
+            f"coremltools' {', '.join(missing)} cannot be loaded, so ondevice-convert will fail "
+            f"('BlobWriter not loaded'): {native_module_hint()}"
+        )
+    if platform.system() == "Darwin" and native[PREDICTION_MODULE] != "ok":
+        warnings.append(f"Core ML prediction is unavailable: {reason}")
+    return {
+        "prediction_available": reason is None,
+        "reason": reason,
+        "coremltools": _version("coremltools"),
+        "native_modules": native,
+        "last_fallback": _last_fallback(),
+    }
+
+
+def _native_module(name: str) -> str:
+    """"ok", "missing" or "broken (why)" for one of coremltools' native extension modules.
+
+    Found by file and opened with dlopen, not imported: importing coremltools on Linux logs a
+    warning per missing module, and conversion does not need the prediction module anyway.
+    """
+    import ctypes
+    import importlib.util
+
+    spec = importlib.util.find_spec("coremltools")
+    if spec is None or not spec.submodule_search_locations:
+        return "missing"
+    for folder in spec.submodule_search_locations:
+        for lib in sorted(Path(folder).glob(f"{name}*.so")):
+            try:
+                ctypes.CDLL(str(lib))
+            except OSError as e:
+                return f"broken ({e})"
+            return "ok"
+    return "missing"
+
+
+def _last_fallback() -> dict[str, Any] | None:
+    """The last time a draft fell back from Core ML, and why (written by the draft engine)."""
+    from ondevice.models.hub import cache_dir
+    from ondevice.runtime.engines import FALLBACK_RECORD
+
+    try:
+        return json.loads((cache_dir() / FALLBACK_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _blas(warnings: list[str]) -> dict[str, Any]:
@@ -113,19 +166,12 @@ def _blas(warnings: list[str]) -> dict[str, Any]:
         "library": library,
         "loaded": [p for p in maps if _is_blas_like(p)],
     }
+    info["override"] = os.environ.get(blas.ENV) or None
     if kind == "reference":
-        preload = find_openblas()
-        if preload:
-            fix = f"preload it: LD_PRELOAD={preload} ondevice ... (or export LD_PRELOAD)"
-        else:
-            fix = (
-                f"install it (sudo apt-get install {OPENBLAS_PACKAGE}), then preload it: "
-                f"LD_PRELOAD={_default_openblas_path()} ondevice ..."
-            )
-        info["fix"] = fix
+        info["fix"] = blas_fix()
         warnings.append(
             "MLX runs matrix products on the reference BLAS bundled with mlx-cpu (5-30x slower "
-            f"than OpenBLAS); to use OpenBLAS, {fix}"
+            f"than MKL or OpenBLAS; speculation cannot pay there); {info['fix']}"
         )
     return info
 
@@ -205,25 +251,19 @@ def _classify(library: str | None) -> str:
     return "reference" if "libblas" in Path(name).name else "unknown"
 
 
-def _multiarch() -> str:
-    import sysconfig
-
-    return sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
-
-
-def _default_openblas_path() -> str:
-    return f"/usr/lib/{_multiarch()}/openblas-pthread/libopenblas.so.0"
-
-
-def find_openblas() -> str | None:
-    """An installed OpenBLAS that exports the standard CBLAS names, or None."""
-    candidates = [Path(_default_openblas_path())]
-    candidates += sorted(Path("/usr/lib").glob("*/openblas-pthread/libopenblas.so.0"))
-    candidates += [
-        Path(f"/usr/lib/{_multiarch()}/libopenblas.so.0"),
-        Path("/usr/lib64/libopenblas.so.0"),
-    ]
-    return next((str(p) for p in candidates if p.exists()), None)
+def blas_fix() -> str:
+    """What makes ondevice load a fast BLAS here (it does so by itself when one is installed)."""
+    if os.environ.get(blas.ENV, "").strip() == "reference":
+        return f"unset {blas.ENV} (it asks for the reference BLAS)"
+    if platform.machine() == "x86_64":
+        return (
+            "install MKL, an ondevice dependency on Linux x86_64 "
+            f"({sys.executable} -m pip install mkl); ondevice loads it by itself"
+        )
+    return (
+        f"install OpenBLAS (sudo apt-get install {blas.OPENBLAS_PACKAGE}); ondevice loads it "
+        "by itself"
+    )
 
 
 def _cache() -> dict[str, Any]:
@@ -292,9 +332,10 @@ def render(r: dict[str, Any]) -> str:
     coreml_line = (
         "prediction available (Neural Engine)"
         if cm["prediction_available"]
-        else "prediction unavailable here (needs macOS 15+); drafts run on the reference executor"
+        else f"prediction unavailable ({cm['reason']}); drafts run on MLX or the reference executor"
     )
     tools = cm["coremltools"] or "not installed"
+    native = ", ".join(f"{k} {v}" for k, v in cm["native_modules"].items())
     lines = [
         "ondevice doctor",
         f"  platform    {p['description']} ({p['machine']})",
@@ -302,7 +343,7 @@ def render(r: dict[str, Any]) -> str:
         f"  ondevice    {r['ondevice']['version'] or 'not installed as a package'}",
         f"  mlx         {mlx_line}",
         f"  core ml     {coreml_line}",
-        f"  coremltools {tools}",
+        f"  coremltools {tools} (native: {native})",
         f"  blas        {blas['kind']}" + (f" ({blas['library']})" if blas.get("library") else ""),
         f"  cache       {cache['dir']}"
         + (f" ({human(cache['size_bytes'])})" if cache["exists"] else " (not created yet)"),
@@ -314,6 +355,12 @@ def render(r: dict[str, Any]) -> str:
             lines.append(f"    {m['name']:<{width}}  {human(m['size_bytes']):>9}  {m['path']}")
     else:
         lines.append("  models      none cached (fetch the default with: ondevice pull)")
+    if cm["last_fallback"]:
+        fb = cm["last_fallback"]
+        lines.append(
+            f"  fallback    last Core ML failure: {fb.get('reason')} (used the {fb.get('fallback')} "
+            "draft instead)"
+        )
     for d in cache["incomplete"]:
         lines.append(f"  incomplete  {d} (an interrupted pull; safe to delete)")
     for w in r["warnings"]:
