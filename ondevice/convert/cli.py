@@ -236,6 +236,27 @@ def _convert_progress() -> Callable[..., None]:
     return report
 
 
+def _weights_bytes(source: str) -> int:
+    """Bytes of weights in a local model folder or file; 0 for names resolved later."""
+    p = Path(source).expanduser()
+    if p.is_file():
+        return p.stat().st_size
+    if p.is_dir():
+        return sum(f.stat().st_size for pat in ("*.safetensors", "*.gguf") for f in p.glob(pat))
+    return 0
+
+
+def estimate_bundle_bytes(args: argparse.Namespace) -> int:
+    """A low estimate of the bundle's size from its inputs: the verifier (quantized if asked,
+    from at most 32-bit weights), the draft's MLX copy and its Core ML copy (float16, from at
+    most 32-bit). A full disk that this misses still ends in a clear error and nothing written."""
+    verifier = _weights_bytes(args.verifier)
+    if args.verifier_quantize != "none":
+        verifier = verifier * int(args.verifier_quantize) // 32
+    draft = _weights_bytes(args.draft)
+    return verifier + draft + draft // 2
+
+
 def convert(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -243,6 +264,7 @@ def convert(args: argparse.Namespace) -> int:
     from ondevice.convert.bundle import (
         check_destination,
         file_entries,
+        recover,
         staging_dir,
         total_size,
         write_manifest,
@@ -250,8 +272,10 @@ def convert(args: argparse.Namespace) -> int:
     from ondevice.models import load_model
 
     out = Path(args.output).expanduser().absolute()
-    check_destination(out, args.force)  # before minutes of loading
+    for line in recover(out):  # what conversions killed earlier left behind
+        print(f"note: {line}", file=sys.stderr)
     _validate(args)
+    check_destination(out, args.force, estimate_bundle_bytes(args))  # before minutes of loading
     quantize = None if args.verifier_quantize == "none" else int(args.verifier_quantize)
 
     phases = Phases(total=8)
