@@ -98,8 +98,8 @@ def _models(args: argparse.Namespace) -> tuple[str, str | None]:
     from ondevice.models.catalog import load_catalog
 
     pair = load_catalog().pair()
-    draft = args.draft or (str(pair.draft) if pair.draft.exists() else None)
-    return pair.verifier, draft
+    shipped = str(pair.draft) if pair.draft is not None and pair.draft.exists() else None
+    return pair.verifier, args.draft or pair.draft_model or shipped
 
 
 def run(args: argparse.Namespace) -> int:
