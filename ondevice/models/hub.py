@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ondevice.errors import ModelNotFoundError, OndeviceError
+from ondevice.errors import ModelFormatError, ModelNotFoundError, OndeviceError
+
+if TYPE_CHECKING:
+    from ondevice.models.catalog import ModelEntry
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
 
@@ -34,8 +38,8 @@ def resolve(name: str | os.PathLike) -> Path:
     s = str(name)
     cached = cache_dir() / "models" / s.replace("/", "--")
     if cached.exists():
-        return _single_gguf(cached)
-    if _in_catalog(s):
+        return _checked_size(s, _single_gguf(cached))
+    if _catalog_entry(s) is not None:
         raise ModelNotFoundError(
             f"{s!r} is not downloaded yet (looked in {cached}). Fetch it with: ondevice pull {s}"
         )
@@ -47,14 +51,26 @@ def resolve(name: str | os.PathLike) -> Path:
     return _download(s)
 
 
-def _in_catalog(name: str) -> bool:
-    """True when `name` is a model the catalog knows (so `ondevice pull` can fetch it)."""
+def _catalog_entry(name: str) -> ModelEntry | None:
+    """The catalog's entry for `name` (a model `ondevice pull` can fetch), if any."""
     from ondevice.models.catalog import load_catalog
 
     try:
-        return load_catalog().model(name) is not None
+        return load_catalog().model(name)
     except OndeviceError:
-        return False  # a broken catalog must not hide the ordinary "not found" message
+        return None  # a broken catalog must not hide the ordinary "not found" message
+
+
+def _checked_size(name: str, path: Path) -> Path:
+    """`path`, the cached GGUF of `name`, unless its size differs from the catalog's: a cheap
+    check on every load (`ondevice pull` checks the sha256)."""
+    entry = _catalog_entry(name) if path.is_file() else None
+    if entry and entry.size and (size := path.stat().st_size) != entry.size:
+        raise ModelFormatError(
+            f"{path}: the cached copy of {name} is damaged ({size:,} bytes, the catalog expects "
+            f"{entry.size:,}). Fetch it again: ondevice pull {name}"
+        )
+    return path
 
 
 def _single_gguf(path: Path) -> Path:
