@@ -11,6 +11,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,19 @@ class _StopMatcher:
         return out
 
 
+def _check_int(name: str, value: Any, low: int, none_ok: bool = False) -> None:
+    """OndeviceError unless `value` is an int >= `low` (or None, if allowed)."""
+    if value is None and none_ok:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise OndeviceError(f"{name} must be an integer >= {low}, got {value!r}.")
+
+
+def _check_type(name: str, value: Any, types: type | tuple[type, ...], what: str) -> None:
+    if not isinstance(value, types):
+        raise OndeviceError(f"{name} must be {what}, got {value!r}.")
+
+
 class Generator:
     """A loaded verifier (and optional draft) ready to generate."""
 
@@ -113,6 +127,11 @@ class Generator:
     # -- prompts ----------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt, chat_template: bool = True) -> list[int]:
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (str, Sequence)):
+            raise OndeviceError(
+                "prompt must be a string, a list of {'role','content'} messages, or a list of "
+                f"token ids; got {type(prompt).__name__}."
+            )
         tok = self.tokenizer
         if isinstance(prompt, str):
             if chat_template and tok.chat_template:
@@ -169,11 +188,21 @@ class Generator:
         """
         try:
             params = SamplingParams(float(temperature), float(top_p), int(top_k))
-        except ValueError as e:
-            raise OndeviceError(str(e)) from None
-        if max_tokens < 0:
-            raise OndeviceError(f"max_tokens must be >= 0, got {max_tokens}.")
+        except (ValueError, TypeError) as e:  # float(None), int("x"), ...
+            raise OndeviceError(f"invalid sampling option: {e}") from None
+        _check_int("max_tokens", max_tokens, 0)
+        _check_int("num_draft_tokens", num_draft_tokens, 0, none_ok=True)
+        _check_int("seed", seed, 0, none_ok=True)
+        for flag, value in (("speculative", speculative), ("chat_template", chat_template)):
+            _check_type(flag, value, bool, "True or False")
+        _check_type("pipeline", pipeline, (bool, type(None)), "True, False or None")
+        if not (stop is None or isinstance(stop, str) or (
+            isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)
+        )):  # fmt: skip
+            raise OndeviceError(f"stop must be a string or a list of strings, got {stop!r}.")
         ids = self.encode_prompt(prompt, chat_template)
+        if not ids:
+            raise OndeviceError("the prompt is empty (it encodes to no tokens); pass some text.")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not self._lock.acquire(blocking=False):
             raise OndeviceError("this model is already generating; wait for it to finish.")
@@ -381,6 +410,16 @@ def load(
     verification block while a float32 GEMM (OpenBLAS) verifies 8 tokens for little more than
     one (measured in docs/benchmarks.md). On Apple GPUs quantized weights stay quantized.
     """
+    for name, value in (("verifier", verifier), ("draft", draft)):
+        if value is None and name == "draft":
+            continue
+        if not isinstance(value, (str, PathLike)) or not str(value).strip():
+            raise OndeviceError(
+                f"{name} must be a model folder, .gguf file, bundle or model name; got {value!r}."
+            )
+    if quantize is not None and (isinstance(quantize, bool) or quantize not in (4, 8)):
+        raise OndeviceError(f"quantize={quantize!r}: use 4 or 8 (bits), or None.")
+    _check_type("dequantize", dequantize, (bool, type(None)), "True, False or None")
     if draft_backend not in DRAFT_BACKENDS:
         raise OndeviceError(
             f"unknown draft backend {draft_backend!r}; choose one of {', '.join(DRAFT_BACKENDS)}."

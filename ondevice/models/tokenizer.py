@@ -169,10 +169,15 @@ def _check_text(text: Any) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        bad = text[e.start : e.end].encode("unicode_escape").decode()
+        bad = text[e.start : e.end]
+        if "\udc80" <= bad[0] <= "\udcff":  # how Python keeps a non-UTF-8 byte (argv, file names)
+            raise OndeviceError(
+                f"the text holds the byte 0x{ord(bad[0]) - 0xDC00:02X} at character {e.start}, "
+                "which is not UTF-8 (a command-line argument in another encoding?); pass UTF-8 text."
+            ) from None
         raise OndeviceError(
-            f"the text holds an unpaired surrogate ('{bad}' at character {e.start}), which is "
-            "not valid Unicode; pass valid text."
+            f"the text holds an unpaired surrogate ('{bad.encode('unicode_escape').decode()}' at "
+            f"character {e.start}), which is not valid Unicode; pass valid text."
         ) from None
 
 
