@@ -755,3 +755,22 @@ def test_killed_force_replacement_is_undone_by_the_next_pull(parts: dict, capsys
     assert "already cached (verified)" in capsys.readouterr().err
     assert good.read_bytes() == parts["data"]
     assert cache_entries(home) == [PARTS_NAME]
+
+
+def test_hub_only_model_offline_says_where_it_comes_from(home: Path, tmp_path: Path, monkeypatch):
+    cat = {
+        "models": {
+            "big": {
+                "note": "for Macs with 16 GB",
+                "sources": [{"kind": "hub", "repo": "o/big-4bit"}],
+            }
+        }
+    }
+    (tmp_path / "hub-only.json").write_text(json.dumps(cat))
+    monkeypatch.setenv("ONDEVICE_CATALOG", str(tmp_path / "hub-only.json"))
+    with pytest.raises(PullError) as info:
+        pull("big")
+    msg = str(info.value)
+    assert "HF_HUB_OFFLINE" in msg and "from the Hugging Face hub only (o/big-4bit)" in msg
+    assert str(home / "models" / "big") in msg and "Note: for Macs with 16 GB" in msg
+    assert ".gguf" not in msg  # no advice that cannot work for an MLX folder

