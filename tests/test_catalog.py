@@ -39,6 +39,7 @@ def test_shipped_catalog_default_pair_and_models() -> None:
     smol = cat.pair("smollm2-135m-instruct")
     assert smol.draft_model is None and smol.draft is not None
     assert (smol.draft / "config.json").exists()  # the shipped draft folder
+    assert cat.model("smollm2-135m-instruct").size == 98_362_432  # resolve() checks it cheaply
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,14 @@ from ondevice.errors import ContextLengthError
 from ondevice.speculative import accept
 from ondevice.speculative.engine import Engine
 from ondevice.speculative.noise import RULES, PositionNoise
-from ondevice.speculative.sampling import SamplingParams, probabilities
+from ondevice.speculative.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    Transform,
+    chain_paths,
+    probabilities,
+    token_logprobs,
+)
 
 # A custom acceptance rule: rule(drafts, q, p, rng) -> (accepted, token), where rng is a
 # generator keyed by (seed, position of the first draft) (e.g. `accept.speculative`).
@@ -44,6 +51,7 @@ class Round:
     drafted: int
     accepted: int
     finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens or context)
+    logprobs: list[TokenLogprob] | None = None  # per token, when the params ask for them
 
 
 class DraftLength:
@@ -120,6 +128,7 @@ class TokenChooser:
     ):
         self.params = params
         self.vocab = vocab
+        self.transform = Transform(params, vocab)
         self.noise = PositionNoise(seed)
         rule = rule or "leviathan"
         if isinstance(rule, str):
@@ -131,7 +140,11 @@ class TokenChooser:
         else:  # a custom rule (tests show a wrong one is caught)
             self.rule_name, self._keyed, self._custom = "custom", None, rule
 
-    def probs(self, logits: np.ndarray) -> np.ndarray:
+    def start(self, prompt: Sequence[int]) -> None:
+        """A new generation (penalties and grammars read the tokens after the prompt)."""
+        self.transform.start(prompt)
+
+    def _align(self, logits: np.ndarray) -> np.ndarray:
         V = self.vocab
         if logits.shape[-1] != V:  # draft vocabulary truncated (FR-Spec) or padded
             if logits.shape[-1] > V:
@@ -139,35 +152,70 @@ class TokenChooser:
             else:
                 pad = np.full((*logits.shape[:-1], V - logits.shape[-1]), -np.inf, logits.dtype)
                 logits = np.concatenate([logits, pad], -1)
-        return probabilities(logits, self.params)
+        return logits
 
-    def draft(self, logits: np.ndarray, pos: int) -> tuple[int, np.ndarray | None]:
-        """The draft's token at position `pos` and the distribution it came from (sampling)."""
+    def probs(
+        self, logits: np.ndarray, seq: Sequence[int] = (), paths: Sequence[Sequence[int]] = ((),)
+    ) -> np.ndarray:
+        """Transformed distribution(s) at the position(s) after seq + paths[i]."""
+        logits = self._align(logits)
+        if not self.transform.active:
+            return probabilities(logits, self.params)
+        return self.transform.probs(logits, seq, paths)
+
+    def draft(
+        self, logits: np.ndarray, pos: int, seq: Sequence[int] = (), path: Sequence[int] = ()
+    ) -> tuple[int, np.ndarray | None]:
+        """The draft's token at position `pos` (after seq + path) and the distribution it came
+        from (sampling)."""
         if self.params.greedy:
+            if self.transform.active:
+                return int(self.transform.argmax(self._align(logits), seq, [path])), None
             return int(np.argmax(logits[: self.vocab])), None
-        q = self.probs(logits)
+        q = self.probs(logits, seq, [path])
         return self.noise.race_sample(q, pos), q
 
-    def confidence(self, logits: np.ndarray, q: np.ndarray | None) -> float:
+    def confidence(
+        self,
+        logits: np.ndarray,
+        q: np.ndarray | None,
+        seq: Sequence[int] = (),
+        path: Sequence[int] = (),
+    ) -> float:
         """The largest probability of the draft's distribution (greedy: softmax at T=1)."""
         if q is not None:
             return float(q.max())
-        z = np.asarray(logits[: self.vocab], np.float32)
+        if self.transform.active:
+            z = self.transform.logits(self._align(logits), seq, [path])
+        else:
+            z = np.asarray(logits[: self.vocab], np.float32)
         return float(1.0 / np.exp(z - z.max()).sum())
 
     def decide(
-        self, drafts: Sequence[int], q: np.ndarray | None, logits: np.ndarray, start: int
+        self,
+        drafts: Sequence[int],
+        q: np.ndarray | None,
+        logits: np.ndarray,
+        start: int,
+        seq: Sequence[int] = (),
     ) -> tuple[int, int]:
         """(accepted count, next token) for `drafts` at positions start.. given the verifier's
-        logits for the last committed token plus the drafts."""
+        logits for the last committed token plus the drafts; `seq` is the committed sequence."""
+        paths = chain_paths(drafts)
         if self.params.greedy:
-            return accept.greedy(drafts, np.argmax(logits, -1))
-        p = self.probs(logits)
+            return accept.greedy(drafts, self.transform.argmax(logits, seq, paths))
+        p = self.probs(logits, seq, paths)
         if self._custom is not None:
             if not drafts:
                 return 0, self.noise.race_sample(p[0], start)
             return self._custom(drafts, q, p, self.noise.rng(start))
         return self._keyed(drafts, q, p, self.noise, start)
+
+    def logprobs(self, logits: np.ndarray, tokens: Sequence[int]) -> list[TokenLogprob] | None:
+        """Log-probabilities of the emitted tokens (row i scores tokens[i]), when asked for."""
+        if self.params.logprobs is None:
+            return None
+        return token_logprobs(logits, tokens, self.params.logprobs)
 
 
 @dataclass
@@ -185,6 +233,7 @@ class SpeculativeDecoder:
     "coupled" (Gumbel coupling: the same tokens as plain sampling with the same seed), or a
     custom callable `rule(drafts, q, p, rng)`.
     """
+        self.chooser.start(prompt)
 
     def __init__(
         self,
@@ -210,6 +259,7 @@ class SpeculativeDecoder:
         self.time_verify = 0.0
         self.time_prefill = 0.0
         self._draft_valid = 0
+        self._logits: np.ndarray | None = None  # the last verifier pass (for logprobs)
         self._t_start = self._t_end = 0.0
 
     @property
@@ -248,8 +298,10 @@ class SpeculativeDecoder:
         drafts: list[int] = []
         qs = []
         for i in range(k):
-            x, q = self.chooser.draft(logits, len(seq) + i)
-            if self.k.adaptive and self.k.ends_before(i, self.chooser.confidence(logits, q)):
+            x, q = self.chooser.draft(logits, len(seq) + i, seq, drafts)
+            if self.k.adaptive and self.k.ends_before(
+                i, self.chooser.confidence(logits, q, seq, drafts)
+            ):
                 break
             drafts.append(x)
             qs.append(q)
@@ -263,7 +315,8 @@ class SpeculativeDecoder:
         """Score seq[-1] + drafts in one pass; return (accepted count, next token)."""
         t = time.perf_counter()
         logits = self.verifier.feed([seq[-1], *drafts])
-        n, tok = self.chooser.decide(drafts, q, logits, len(seq))
+        n, tok = self.chooser.decide(drafts, q, logits, len(seq), seq)
+        self._logits = logits
         self.verifier.trim(len(drafts) - n)
         self.time_verify += time.perf_counter() - t
         return n, tok
@@ -304,7 +357,8 @@ class SpeculativeDecoder:
             seq.extend(out)
             produced += len(out)
             self._t_end = time.perf_counter()
-            yield Round(out, flags, len(drafts), n, finish)
+            lp = self.chooser.logprobs(self._logits, out)
+            yield Round(out, flags, len(drafts), n, finish, lp)
             if finish:
                 return
 
