@@ -233,7 +233,6 @@ class SpeculativeDecoder:
     "coupled" (Gumbel coupling: the same tokens as plain sampling with the same seed), or a
     custom callable `rule(drafts, q, p, rng)`.
     """
-        self.chooser.start(prompt)
 
     def __init__(
         self,
@@ -283,6 +282,7 @@ class SpeculativeDecoder:
             self.draft.reset()
             if len(prompt) > 1:
                 self.draft.feed(prompt[:-1], last_only=True)
+        self.chooser.start(prompt)
         self.time_prefill += time.perf_counter() - t
         self._draft_valid = len(prompt) - 1  # draft cache entries that match the sequence
 

@@ -1,15 +1,40 @@
-"""The sampling transform (temperature, top-k, top-p), applied alike to verifier and draft.
+"""The sampling transform, applied alike to verifier and draft.
 
 Speculative sampling is lossless for whatever distribution the verifier's logits are mapped to,
-as long as the same map is applied to the draft before the acceptance rule. Temperature 0 means
-greedy: the distribution is a point mass on the argmax (lowest id on ties, like np.argmax).
+as long as the same map is applied to the draft before the acceptance rule. The map here is, in
+order: logit bias, repetition / presence / frequency penalties, a grammar's mask (logits of
+forbidden tokens become -inf), temperature, top-k, top-p, min-p. Temperature 0 means greedy:
+the distribution is a point mass on the argmax of the transformed logits (lowest id on ties).
+
+Penalties and grammars depend on the tokens before the position, so a `Transform` is bound to
+one generation (`start(prompt)`) and is asked for a position's distribution together with the
+tokens committed so far (`seq`) and the drafted tokens between them and the position (`path`).
+Every decoder hands the draft and the verifier the same (seq, path) for the same position, so
+both see the same context, drafted tokens included. Penalties follow vLLM's definitions: the
+repetition penalty (HF/CTRL: positive logits divided by it, negative ones multiplied) counts
+every token of the context, prompt included; presence and frequency penalties (OpenAI) count
+the generated tokens only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
+
+
+class GrammarState(Protocol):
+    """A grammar bound to one generation (see `speculative/grammar.py`)."""
+
+    def allowed(self, generated: Sequence[int]) -> np.ndarray | None:
+        """Boolean mask (vocab,) of the tokens allowed after `generated` (the tokens after the
+        prompt), or None when `generated` itself is not allowed (a context no rule reads)."""
+
+
+class Grammar(Protocol):
+    def start(self) -> GrammarState: ...
 
 
 @dataclass(frozen=True)
@@ -17,6 +42,16 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # token id -> added to its logit; a dict is accepted and stored as sorted pairs
+    logit_bias: Any = ()
+    grammar: Grammar | None = field(default=None, compare=False)
+    # report log-probabilities of the emitted tokens (raw verifier distribution): None = no,
+    # 0 = the emitted token's only, n = also the n most likely tokens at that position
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -25,14 +60,55 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if not (self.repetition_penalty > 0 and np.isfinite(self.repetition_penalty)):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 disables it), "
+                f"got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not np.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v}")
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        try:
+            clean = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        except (TypeError, ValueError):
+            raise ValueError(
+                "logit_bias must map token ids (integers) to numbers, e.g. {'50256': -100}"
+            ) from None
+        for t, b in clean:
+            if t < 0 or not np.isfinite(b):
+                raise ValueError(f"logit_bias: token {t} with bias {b} (ids >= 0, finite bias)")
+        object.__setattr__(self, "logit_bias", clean)
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def contextual(self) -> bool:
+        """Whether the transform depends on the tokens before the position."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.grammar is not None
+        )
+
+    @property
+    def plain(self) -> bool:
+        """Only temperature / top-k / top-p / min-p: no logits to process before them."""
+        return not self.contextual and not self.logit_bias
+
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Map logits (..., V) to float64 probabilities (..., V) under `params`."""
+    """Map (already processed) logits (..., V) to float64 probabilities (..., V): temperature,
+    top-k, top-p, min-p. The context-free part of the transform."""
     logits = np.asarray(logits, dtype=np.float64)
     if params.greedy:
         out = np.zeros_like(logits)
@@ -49,6 +125,10 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     p /= p.sum(-1, keepdims=True)
     if params.top_p < 1.0:
         p = _top_p(p, params.top_p)
+    if params.min_p > 0.0:
+        # keep tokens at least min_p times as likely as the most likely one
+        p = np.where(p >= params.min_p * p.max(-1, keepdims=True), p, 0.0)
+        p /= p.sum(-1, keepdims=True)
     return p
 
 
@@ -63,6 +143,130 @@ def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
     np.put_along_axis(keep, order, keep_sorted, -1)
     q = np.where(keep, p, 0.0)
     return q / q.sum(-1, keepdims=True)
+
+
+class Transform:
+    """`SamplingParams` bound to one generation: a position's distribution given its context.
+
+    The context of a position is `seq` (the committed sequence, prompt first) followed by
+    `path` (drafted tokens not yet committed). The result depends on the context only, never
+    on who asks (draft or verifier) or in what order.
+    """
+
+    def __init__(self, params: SamplingParams, vocab: int):
+        self.params = params
+        self.vocab = vocab
+        self._prompt_len = 0
+        self._grammar: GrammarState | None = None
+        self._bias: np.ndarray | None = None
+        if params.logit_bias:
+            bad = [t for t, _ in params.logit_bias if t >= vocab]
+            if bad:
+                raise ValueError(
+                    f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+                )
+            self._bias = np.zeros(vocab)
+            for t, b in params.logit_bias:
+                self._bias[t] = b
+
+    @property
+    def active(self) -> bool:
+        """Whether logits are processed before temperature (otherwise `logits` is identity)."""
+        return not self.params.plain
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """A new generation after `prompt`."""
+        self._prompt_len = len(prompt)
+        self._grammar = self.params.grammar.start() if self.params.grammar is not None else None
+
+    def logits(
+        self, logits: np.ndarray, seq: Sequence[int], paths: Sequence[Sequence[int]] = ((),)
+    ) -> np.ndarray:
+        """Processed float64 logits: row i of `logits` (R, V) or the single row (V,) is the
+        position after seq + paths[i]."""
+        z = np.array(logits, dtype=np.float64)  # a copy: rows are changed in place
+        if not self.active:
+            return z
+        single = z.ndim == 1
+        rows = z[None] if single else z
+        if len(paths) != len(rows):
+            raise ValueError(f"{len(rows)} rows of logits but {len(paths)} contexts")
+        if self._bias is not None:
+            rows += self._bias
+        p = self.params
+        penalised = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        if penalised:
+            seen = np.bincount(np.asarray(seq, np.int64), minlength=self.vocab)[: self.vocab]
+            gen = np.bincount(np.asarray(seq[self._prompt_len :], np.int64), minlength=self.vocab)[
+                : self.vocab
+            ]
+        for row, path in zip(rows, paths):
+            if penalised:
+                extra = np.bincount(np.asarray(path, np.int64), minlength=self.vocab)[: self.vocab]
+                self._penalise(row, seen + extra, gen + extra)
+            if self._grammar is not None:
+                allowed = self._grammar.allowed([*seq[self._prompt_len :], *path])
+                if allowed is None:  # a context that was never allowed: any valid row
+                    row[:] = -np.inf
+                    row[0] = 0.0
+                else:
+                    row[~allowed[: self.vocab]] = -np.inf
+        return z
+
+    def _penalise(self, row: np.ndarray, seen: np.ndarray, gen: np.ndarray) -> None:
+        p = self.params
+        if p.repetition_penalty != 1.0:
+            hit = seen > 0
+            r = row[hit]
+            row[hit] = np.where(r > 0, r / p.repetition_penalty, r * p.repetition_penalty)
+        if p.presence_penalty:
+            row -= p.presence_penalty * (gen > 0)
+        if p.frequency_penalty:
+            row -= p.frequency_penalty * gen
+
+    def probs(
+        self, logits: np.ndarray, seq: Sequence[int], paths: Sequence[Sequence[int]] = ((),)
+    ) -> np.ndarray:
+        """The transformed distribution(s) (float64) at the position(s) after seq + paths[i]."""
+        return probabilities(self.logits(logits, seq, paths), self.params)
+
+    def argmax(
+        self, logits: np.ndarray, seq: Sequence[int], paths: Sequence[Sequence[int]] = ((),)
+    ) -> np.ndarray | int:
+        """The greedy token(s): argmax of the processed logits."""
+        if not self.active:
+            return np.argmax(logits, -1)
+        return np.argmax(self.logits(logits, seq, paths), -1)
+
+
+def chain_paths(drafts: Sequence[int]) -> list[list[int]]:
+    """Contexts of a chain's verifier rows: row i follows the first i drafts."""
+    return [list(drafts[:i]) for i in range(len(drafts) + 1)]
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of an emitted token under the verifier's raw distribution (temperature
+    1, no processing), and the most likely alternatives at that position."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def token_logprobs(logits: np.ndarray, tokens: Sequence[int], top: int = 0) -> list[TokenLogprob]:
+    """Row i of the verifier's logits (R, V) scores tokens[i] (zip: extra rows are ignored)."""
+    out = []
+    for row, tok in zip(np.asarray(logits, np.float64), tokens):
+        z = row - row.max()
+        lp = z - np.log(np.exp(z).sum())
+        best: list[tuple[int, float]] = []
+        if top:
+            idx = np.argpartition(-lp, min(top, len(lp)) - 1)[:top]
+            idx = idx[np.lexsort((idx, -lp[idx]))]
+            best = [(int(i), float(lp[i])) for i in idx]
+        out.append(TokenLogprob(int(tok), float(lp[tok]), best))
+    return out
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
