@@ -1,0 +1,235 @@
+"""Soak: 1,000 bounded requests against `ondevice serve` on 127.0.0.1 with a tiny random pair.
+
+    python benchmarks/soak.py --requests 1000 --concurrency 4
+
+Run it from outside the source tree to measure committed code in another checkout:
+`cd /tmp && PYTHONPATH=/path/to/checkout python /path/to/checkout/benchmarks/soak.py` (with the
+source tree as the working directory, `python -m ondevice` imports the tree's own copy).
+
+The server runs as `ondevice serve` in a subprocess (the command users run), with a short queue
+(--max-queue 2) so that concurrent clients also meet a full queue. The mix: whole and streamed
+chat completions, text completions, clients that disconnect mid-stream or before the answer,
+and bad requests (broken JSON, unknown model, a prompt beyond the context, a foreign Origin or
+Host, a form post). Every answer is classified: expected outcomes by kind (200, 4xx for the bad
+inputs, 429 when the queue is full, the intended disconnects) and anything else as unexpected
+(a 5xx, a malformed body, a wrong status, a transport error nobody asked for). The server's RSS
+is read from /proc after warm-up, in the middle and at the end. Goal (issue 16): 0 unexpected
+errors, RSS at the end within 10% of the warm-up value. Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import tiny  # noqa: E402  (the tests' tiny random checkpoints)
+
+CONTEXT = 1024
+MODEL = "soak"
+
+
+def write_pair(root: Path) -> tuple[Path, Path]:
+    """A tiny verifier whose EOS logit is 0 (answers run to max_tokens) and a noisy draft."""
+    cfg = tiny.make_config(max_position_embeddings=CONTEXT)
+    weights = tiny.random_weights(cfg, seed=0, scale=2.0)
+    weights["lm_head.weight"][tiny.EOS_ID] = 0.0
+    verifier = tiny.write_model(root / "verifier", weights=weights, max_position_embeddings=CONTEXT)
+    return verifier, tiny.perturbed_copy(verifier, root / "draft", noise=0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def start_server(verifier: Path, draft: Path, port: int, max_queue: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ondevice", "serve", "--model", str(verifier), "--draft",
+           str(draft), "--draft-backend", "mlx", "--port", str(port), "--name", MODEL,
+           "--max-queue", str(max_queue), "--log-level", "error", "--read-timeout", "10"]  # fmt: skip
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit("the server exited during start-up")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("the server did not start within 120 s")
+
+
+def chat(content: str, max_tokens: int, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0, **extra}  # fmt: skip
+
+
+# kind -> (weight, what counts as the expected answer)
+KINDS = {
+    "chat": 30, "chat_stream": 20, "completion": 10, "disconnect_stream": 8,
+    "disconnect_wait": 4, "bad_json": 5, "unknown_model": 5, "too_long": 5,
+    "foreign_origin": 5, "foreign_host": 4, "form_post": 4,
+}  # fmt: skip
+
+
+async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
+    """Send one request of `kind`; return its outcome ("ok:..." expected, else unexpected)."""
+    n = rng.randint(4, 24)
+    text = " ".join(rng.choice(["hello", "there", "robot", "paint", "story"]) for _ in range(6))
+    url = "/v1/chat/completions"
+    if kind in ("chat", "completion"):
+        body = chat(text, n) if kind == "chat" else {"model": MODEL, "prompt": text, "max_tokens": n}
+        r = await client.post(url if kind == "chat" else "/v1/completions", json=body)
+        if r.status_code == 429:
+            return "ok:429 queue full"
+        if r.status_code != 200:
+            return f"unexpected {r.status_code}: {r.text[:120]}"
+        usage = r.json()["usage"]
+        return "ok:200" if usage["completion_tokens"] == n else f"unexpected usage {usage}"
+    if kind in ("chat_stream", "disconnect_stream"):
+        body = chat(text, n if kind == "chat_stream" else 400, stream=True)
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code == 429:
+                return "ok:429 queue full"
+            if r.status_code != 200:
+                return f"unexpected {r.status_code}"
+            events = 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events += 1
+                if kind == "disconnect_stream" and events == 4:
+                    return "ok:disconnect mid-stream"  # leaving the block closes the connection
+                if line == "data: [DONE]":
+                    return "ok:200 stream"
+                if "error" in json.loads(line[6:]):
+                    return f"unexpected error event {line[:120]}"
+            return "unexpected stream without [DONE]"
+    if kind == "disconnect_wait":
+        try:
+            r = await client.post(url, json=chat(text, 600), timeout=0.3)
+        except httpx.ReadTimeout:
+            return "ok:disconnect before the answer"
+        return "ok:429 queue full" if r.status_code == 429 else "ok:200 (finished first)"
+    expected = {"bad_json": 400, "unknown_model": 404, "too_long": 400, "foreign_origin": 403,
+                "foreign_host": 421, "form_post": 415}[kind]  # fmt: skip
+    headers = {"Content-Type": "application/json"}
+    content = json.dumps(chat(text, n)).encode()
+    if kind == "bad_json":
+        content = content[:-3]
+    elif kind == "unknown_model":
+        content = json.dumps({**chat(text, n), "model": "nope"}).encode()
+    elif kind == "too_long":
+        content = json.dumps(chat("word " * 200_000, n)).encode()  # 1 MB, far past the context
+    elif kind == "foreign_origin":
+        headers["Origin"] = "https://evil.example"
+    elif kind == "foreign_host":
+        headers["Host"] = "attacker.example"
+    elif kind == "form_post":
+        headers["Content-Type"] = "application/x-www-form-urlencoded"
+    r = await client.post(url, content=content, headers=headers)
+    if r.status_code != expected:
+        return f"unexpected {r.status_code} for {kind} (want {expected}): {r.text[:120]}"
+    err = r.json().get("error", {})
+    if set(err) != {"message", "type", "param", "code"}:
+        return f"unexpected error shape for {kind}: {r.text[:120]}"
+    return f"ok:{expected} {kind}"
+
+
+async def soak(args: argparse.Namespace, port: int, pid: int) -> dict:
+    rng = random.Random(args.seed)
+    mix = {k: w for k, w in KINDS.items() if not args.kinds or k in args.kinds}
+    kinds = rng.choices(list(mix), weights=list(mix.values()), k=args.requests)
+    outcomes: collections.Counter[str] = collections.Counter()
+    rss: dict[str, float] = {"start": rss_mb(pid)}
+    done = 0
+    limits = httpx.Limits(max_connections=args.concurrency + 2)
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", timeout=60, limits=limits
+    ) as client:
+        todo = iter(kinds)
+
+        async def worker() -> None:
+            nonlocal done
+            for kind in todo:
+                try:
+                    outcome = await one(client, kind, rng)
+                except Exception as e:  # a transport error nobody asked for
+                    outcome = f"unexpected {type(e).__name__}: {e}"
+                outcomes[outcome.split(":")[0] + ":" + outcome.split(":", 1)[1][:60]
+                         if outcome.startswith("ok:") else outcome[:160]] += 1  # fmt: skip
+                done += 1
+                if done >= args.warmup and "warm-up" not in rss:
+                    rss["warm-up"] = rss_mb(pid)
+                if done >= args.requests // 2 and "middle" not in rss:
+                    rss["middle"] = rss_mb(pid)
+                if "429" in outcome:
+                    await asyncio.sleep(0.1)  # as a client does: back off, then go on
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        elapsed = time.monotonic() - t0
+        await asyncio.sleep(1.0)  # let the last cancelled generations stop
+        health = (await client.get("/health")).json()
+    rss["end"] = rss_mb(pid)
+    return {"outcomes": outcomes, "rss_mb": rss, "seconds": elapsed, "health": health}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-queue", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=100, help="requests before the RSS baseline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kinds", nargs="*", choices=list(KINDS), help="only these kinds of request")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        verifier, draft = write_pair(Path(tmp))
+        port = free_port()
+        proc = start_server(verifier, draft, port, args.max_queue)
+        try:
+            result = asyncio.run(soak(args, port, proc.pid))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    outcomes = result["outcomes"]
+    unexpected = sum(n for k, n in outcomes.items() if not k.startswith("ok:"))
+    rss = result["rss_mb"]
+    drift = (rss["end"] - rss["warm-up"]) / rss["warm-up"]
+    print(f"{args.requests} requests, {args.concurrency} clients, --max-queue {args.max_queue}, "
+          f"{result['seconds']:.1f} s")  # fmt: skip
+    for k, n in sorted(outcomes.items(), key=lambda kv: (not kv[0].startswith("ok:"), kv[0])):
+        print(f"  {n:5d}  {k}")
+    print(f"unexpected: {unexpected}")
+    print("server RSS (MB): " + ", ".join(f"{k} {v:.1f}" for k, v in rss.items()))
+    print(f"RSS end vs warm-up: {drift:+.1%}; health after: {result['health']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({**result, "unexpected": unexpected}, indent=1))
+    return 0 if unexpected == 0 and abs(drift) <= 0.10 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
