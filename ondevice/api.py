@@ -23,7 +23,7 @@ from ondevice.models.tokenizer import Tokenizer, check_pair
 from ondevice.runtime import threads
 from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engine
 from ondevice.speculative.decoder import Round, SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams
+from ondevice.speculative.sampling import Grammar, SamplingParams, TokenLogprob, Transform
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 METHODS = ("chain", "tree", "pld", "lookahead", "cascade", "auto")
@@ -41,6 +41,7 @@ class Chunk:
     from_draft: bool
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None  # set on the last chunk
+    logprobs: list[TokenLogprob] | None = None  # per token, when asked for (`logprobs=`)
 
 
 @dataclass
@@ -176,6 +177,13 @@ class Generator:
         chat_template: bool = True,
         method: str = "chain",
         pipeline: bool | None = None,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
+        logprobs: int | None = None,
+        grammar: Grammar | None = None,
         _cancel: threading.Event | None = None,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are decided; the last chunk carries finish_reason and stats.
@@ -185,9 +193,18 @@ class Generator:
         "cascade" (the draft itself sped up by prompt lookup) or "auto".
         pipeline: overlap drafting with verification (chain only); None picks what is faster
         for the draft backend. Every choice gives the same tokens for the same seed.
+        min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias and
+        grammar (`speculative.grammar`) transform the distribution of the verifier and of the
+        draft alike, so speculation stays exact for the transformed law. logprobs: report the
+        verifier's log-probabilities of the emitted tokens (and of the `logprobs` most likely).
         """
         try:
-            params = SamplingParams(float(temperature), float(top_p), int(top_k))
+            params = SamplingParams(
+                float(temperature), float(top_p), int(top_k), float(min_p),
+                float(repetition_penalty), float(presence_penalty), float(frequency_penalty),
+                logit_bias or (), grammar, logprobs,
+            )  # fmt: skip
+            Transform(params, self.verifier.vocab_size)  # token ids of logit_bias in range
         except (ValueError, TypeError) as e:  # float(None), int("x"), ...
             raise OndeviceError(f"invalid sampling option: {e}") from None
         _check_int("max_tokens", max_tokens, 0)
@@ -228,7 +245,7 @@ class Generator:
             return make_decoder(method, self.verifier, draft, params,
                                 num_draft_tokens=num_draft_tokens, **opts)  # fmt: skip
         if draft is None or num_draft_tokens == 0:
-            if params.greedy:
+            if params.greedy and params.plain and params.logprobs is None:
                 from ondevice.runtime.plain import PlainGreedyDecoder
 
                 return PlainGreedyDecoder(self.verifier, opts["eos_token_ids"])
@@ -253,10 +270,12 @@ class Generator:
         try:
             for rnd in rounds:
                 stopped = False
-                for tok, flag in zip(rnd.tokens, rnd.from_draft):
+                lps = rnd.logprobs or [None] * len(rnd.tokens)
+                for tok, flag, lp in zip(rnd.tokens, rnd.from_draft, lps):
                     tokens.append(tok)
                     text, stopped = matcher.feed(detok.add([tok]))
-                    yield Chunk(text, [tok], flag)  # a stop string's text is never emitted
+                    # a stop string's text is never emitted
+                    yield Chunk(text, [tok], flag, logprobs=None if lp is None else [lp])
                     if stopped:
                         break
                 if stopped:

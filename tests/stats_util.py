@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.stats import chisquare
 
-from ondevice.speculative.sampling import SamplingParams, probabilities
+from ondevice.speculative.sampling import SamplingParams, Transform
 
 
 class TableEngine:
@@ -70,15 +70,18 @@ class TableEngine:
 
 
 def exact_joint(engine, prompt: Sequence[int], params: SamplingParams) -> np.ndarray:
-    """P(first two generated tokens = (a, b)) under `engine` alone, shape (V, V)."""
+    """P(first two generated tokens = (a, b)) under `engine` alone and the sampling transform
+    (with its context), shape (V, V)."""
     V = engine.vocab_size
+    tf = Transform(params, V)  # penalties and grammars read the context
+    tf.start(prompt)
     engine.reset()
-    p1 = probabilities(engine.feed(list(prompt), last_only=True), params)
+    p1 = tf.probs(engine.feed(list(prompt), last_only=True), list(prompt))
     joint = np.zeros((V, V))
     for a in range(V):
         if p1[a] == 0:
             continue
-        p2 = probabilities(engine.feed([a], last_only=True), params)
+        p2 = tf.probs(engine.feed([a], last_only=True), [*prompt, a])
         engine.trim(1)
         joint[a] = p1[a] * p2
     engine.reset()

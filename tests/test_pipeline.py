@@ -241,7 +241,16 @@ def _joint_counts(verifier, draft, params, rule, n=N_SAMPLES):
         ("leviathan", SAMPLE),
         ("leviathan", SamplingParams(1.0, top_p=0.9)),
         ("coupled", SAMPLE),
+        # every other transform at once; penalties read the pre-drafted tokens too
+        (
+            "leviathan",
+            SamplingParams(
+                0.8, top_p=0.95, top_k=10, min_p=0.02, repetition_penalty=1.5,
+                presence_penalty=0.7, frequency_penalty=0.8, logit_bias={3: 1.0, 6: -1.0},
+            ),
+        ),  # fmt: skip
     ],
+    ids=["t1", "top_p", "coupled", "all"],
 )
 def test_pipelined_sampling_matches_the_verifier_distribution(table_pair, rule, params):
     verifier, draft = table_pair

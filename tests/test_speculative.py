@@ -17,7 +17,7 @@ from ondevice.errors import ContextLengthError, OndeviceError, TokenizerMismatch
 from ondevice.runtime.engines import MLXEngine
 from ondevice.speculative import accept
 from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams, probabilities
+from ondevice.speculative.sampling import SamplingParams, Transform, probabilities
 
 
 @pytest.fixture(scope="module")
@@ -391,9 +391,11 @@ def _joint_counts(verifier, draft, params, prompt, n, rule=None, k=3):
 
 
 def _exact_joint(verifier, params, prompt):
-    p1 = probabilities(verifier._row(prompt), params)
+    tf = Transform(params, len(verifier._row(prompt)))  # penalties read the context
+    tf.start(prompt)
+    p1 = tf.probs(verifier._row(prompt), list(prompt))
     return {
-        (a, b): p1[a] * probabilities(verifier._row([*prompt, a]), params)[b]
+        (a, b): p1[a] * tf.probs(verifier._row([*prompt, a]), [*prompt, a])[b]
         for a in range(len(p1))
         if p1[a] > 0
         for b in range(len(p1))
@@ -447,10 +449,25 @@ N_SAMPLES = 20_000
 PROMPT = [5, 6, 7]
 
 
+# every transform of the distribution, alone and together (penalties read the drafted tokens)
+TRANSFORMS = {
+    "t1": SamplingParams(1.0),
+    "top_p": SamplingParams(1.0, top_p=0.9),
+    "top_k": SamplingParams(1.0, top_k=5),
+    "min_p": SamplingParams(1.0, min_p=0.15),
+    "repetition": SamplingParams(1.0, repetition_penalty=2.0),
+    "presence": SamplingParams(1.0, presence_penalty=1.5),
+    "frequency": SamplingParams(1.0, frequency_penalty=1.5),
+    "logit_bias": SamplingParams(1.0, logit_bias={3: 2.0, 5: -1.5}),
+    "all": SamplingParams(
+        0.8, top_p=0.95, top_k=10, min_p=0.02, repetition_penalty=1.3, presence_penalty=0.7,
+        frequency_penalty=0.5, logit_bias={3: 1.0},
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "params", [SamplingParams(1.0), SamplingParams(1.0, top_p=0.9)], ids=["t1", "top_p"]
-)
+@pytest.mark.parametrize("params", TRANSFORMS.values(), ids=TRANSFORMS.keys())
 def test_speculative_sampling_matches_verifier_distribution(small_vocab_pair, params):
     ver, dra = small_vocab_pair
     counts = _joint_counts(ver, dra, params, PROMPT, N_SAMPLES)
@@ -467,6 +484,21 @@ def test_a_biased_rule_fails_the_distribution_test(small_vocab_pair):
         return len(drafts), accept.sample(p[len(drafts)], rng)
 
     counts = _joint_counts(ver, dra, params, PROMPT, N_SAMPLES, rule=accept_everything)
+    assert _chi2_pvalue(counts, _exact_joint(ver, params, PROMPT), N_SAMPLES) < 1e-6
+
+
+@pytest.mark.slow
+def test_a_verifier_blind_to_drafted_tokens_fails_the_distribution_test(
+    small_vocab_pair, monkeypatch
+):
+    """Penalties depend on the drafted tokens before a position: a verifier that scores every
+    row with the committed context only (forgetting the drafts before it) is biased."""
+    from ondevice.speculative import decoder
+
+    ver, dra = small_vocab_pair
+    params = TRANSFORMS["frequency"]
+    monkeypatch.setattr(decoder, "chain_paths", lambda drafts: [[]] * (len(drafts) + 1))
+    counts = _joint_counts(ver, dra, params, PROMPT, N_SAMPLES)
     assert _chi2_pvalue(counts, _exact_joint(ver, params, PROMPT), N_SAMPLES) < 1e-6
 
 

@@ -21,7 +21,7 @@ from ondevice.runtime.engines import MLXEngine
 from ondevice.runtime.tree_decoder import METHODS, MLXTreeEngine, make_decoder
 from ondevice.runtime.treecost import SIZES, CostProfile, device_name, engine_key, profile_path
 from ondevice.speculative.proposers import DraftState
-from ondevice.speculative.sampling import SamplingParams, probabilities
+from ondevice.speculative.sampling import SamplingParams, Transform
 from ondevice.speculative.tree import (
     TokenTree,
     accept_greedy,
@@ -582,9 +582,11 @@ PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]  # repeats: prompt lookup (inside the cascade 
 
 
 def _exact_joint(ver, params, prompt):
-    p1 = probabilities(ver.row(prompt), params)
+    tf = Transform(params, len(ver.row(prompt)))  # penalties read the context
+    tf.start(prompt)
+    p1 = tf.probs(ver.row(prompt), list(prompt))
     return {
-        (a, b): p1[a] * probabilities(ver.row([*prompt, a]), params)[b]
+        (a, b): p1[a] * tf.probs(ver.row([*prompt, a]), [*prompt, a])[b]
         for a in range(len(p1))
         if p1[a] > 0
         for b in range(len(p1))
@@ -628,6 +630,10 @@ def _joint_counts(method, ver, dra, params, rule=None, **kw):
     return counts, drafted, accepted
 
 
+ALL_TRANSFORMS = SamplingParams(
+    0.8, top_p=0.95, top_k=10, min_p=0.02, repetition_penalty=1.5, presence_penalty=0.7,
+    frequency_penalty=0.8, logit_bias={3: 1.0, 6: -1.0},
+)
 CASES = [
     ("tree", SamplingParams(1.0), {"tree_mode": "dynamic"}),
     ("tree", SamplingParams(1.0), {"tree_mode": "sampled"}),
@@ -635,13 +641,18 @@ CASES = [
     ("cascade", SamplingParams(1.0), {}),
     ("pld", SamplingParams(1.0), {}),
     ("lookahead", SamplingParams(1.0), {}),
+    # the other transforms, together; penalties read each node's path
+    ("tree", ALL_TRANSFORMS, {"tree_mode": "dynamic"}),
+    ("tree", ALL_TRANSFORMS, {"tree_mode": "sampled"}),
+    ("tree", SamplingParams(1.0, frequency_penalty=1.5), {"tree_mode": "sampled"}),
+    ("cascade", ALL_TRANSFORMS, {}),
 ]
+CASE_IDS = ["eagle", "specinfer", "specinfer-top-p", "cascade", "pld", "la"]
+CASE_IDS += ["eagle-all", "specinfer-all", "specinfer-frequency", "cascade-all"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "method,params,kw", CASES, ids=["eagle", "specinfer", "specinfer-top-p", "cascade", "pld", "la"]
-)
+@pytest.mark.parametrize("method,params,kw", CASES, ids=CASE_IDS)
 def test_sampled_methods_match_the_verifier_distribution(small_vocab, method, params, kw):
     ver, dra = small_vocab
     counts, drafted, accepted = _joint_counts(method, ver, dra, params, **kw)

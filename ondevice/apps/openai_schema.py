@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI API that the server accepts, validated with pydantic.
 
-Types are strict (a string is not a number) and unknown fields are ignored, as OpenAI's clients
-send many optional fields. Fields the runtime cannot honour (`n > 1`, log probabilities, tools)
-are rejected with a clear message instead of being silently dropped.
+Types are strict (a string is not a number). Every field of OpenAI's chat and completions
+requests is either honoured or, when set to something the runtime cannot do (`n > 1`, audio,
+`echo`), refused with a message that names it; none is silently dropped (docs/openai.md has
+the table). Fields no OpenAI client sends are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -86,8 +87,22 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
     return (f"Invalid value for '{param}': {msg}." if param else f"{msg}."), param
 
 
+# OpenAI request fields that this server refuses when set (the reason is sent back)
+_REFUSED = {
+    "audio": "this server produces text only",
+    "modalities": "this server produces text only",
+    "prediction": "predicted outputs are not supported (speculation needs no hint)",
+    "web_search_options": "this server has no web search",
+    "functions": "the deprecated 'functions' field is not supported; send 'tools'",
+    "function_call": "the deprecated 'function_call' field is not supported; send 'tool_choice'",
+    "reasoning_effort": "this server has no reasoning-effort setting",
+    "best_of": "only one completion per request is generated",
+}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # extra="allow": unknown fields are kept so that `_REFUSED` ones can be named
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: NonEmpty
     max_tokens: int | None = Field(default=None, ge=1)
@@ -99,8 +114,15 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
-    # ondevice extras: sampling and speculation settings OpenAI does not have.
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # token id (as a string, JSON keys are strings) -> bias added to its logit
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: str | None = None  # accepted for the client's records; nothing depends on it
+    # ondevice extras (also llama.cpp's / vLLM's): sampling and speculation settings
     top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
     num_draft_tokens: int | None = Field(default=None, ge=1, le=64)
     speculative: bool = True
 
@@ -110,7 +132,28 @@ class _Request(BaseModel):
             raise ValueError("only n=1 is supported (one completion per request)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        for key in self.logit_bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+        extra = self.model_extra or {}
+        for name, why in _REFUSED.items():
+            if extra.get(name) not in (None, False, [], {}) and extra.get(name) != ["text"]:
+                raise ValueError(f"'{name}' is not supported: {why}")
         return self
+
+    def sampling(self) -> dict[str, Any]:
+        """Keyword arguments of `Generator.stream` that shape the distribution."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()} or None,
+            "seed": self.seed,
+        }
 
     def stop_list(self) -> list[str] | None:
         if self.stop is None:
@@ -147,17 +190,22 @@ class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
 
     @model_validator(mode="after")
     def _chat_supported(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
         if self.tools:
             raise ValueError("tools are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+    def logprobs_count(self) -> int | None:
+        """`Generator.stream`'s logprobs: None (off) or how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompt(self) -> list[dict[str, str]]:
         return [m.as_dict() for m in self.messages]
@@ -174,7 +222,7 @@ class CompletionRequest(_Request):
     )
     echo: bool = False
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     # OpenAI's legacy completions default to 16 tokens; keep that rather than surprise clients.
     max_tokens: int | None = Field(default=16, ge=1)
 
@@ -184,9 +232,10 @@ class CompletionRequest(_Request):
             raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported")
         return self
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     def prompt_value(self) -> str | list[int]:
         """A string, or token ids (a batch of one is unwrapped; larger batches were rejected)."""
@@ -199,3 +248,38 @@ class CompletionRequest(_Request):
 _Request.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
+
+
+# -- response pieces ----------------------------------------------------------------------------
+
+
+def _piece(tokenizer: Any, token: int) -> tuple[str, list[int]]:
+    text = tokenizer.decode([token])
+    return text, list(text.encode("utf-8"))
+
+
+def chat_logprobs(tokenizer: Any, logprobs: list[Any]) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` object from `TokenLogprob`s."""
+    content = []
+    for lp in logprobs:
+        text, raw = _piece(tokenizer, lp.token)
+        top = []
+        for t, v in lp.top:
+            tt, tb = _piece(tokenizer, t)
+            top.append({"token": tt, "logprob": v, "bytes": tb})
+        content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokenizer: Any, logprobs: list[Any], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions `logprobs` object (tokens, token_logprobs, top_logprobs,
+    text_offset)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for lp in logprobs:
+        text, _ = _piece(tokenizer, lp.token)
+        tokens.append(text)
+        values.append(lp.logprob)
+        tops.append({_piece(tokenizer, t)[0]: v for t, v in lp.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -46,6 +46,8 @@ from ondevice.apps.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     ValidationError,
+    chat_logprobs,
+    completion_logprobs,
     error_body,
     validation_message,
 )
@@ -601,10 +603,8 @@ class OpenAIServer:
             )
         return {
             "max_tokens": max_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "top_k": req.top_k,
-            "seed": req.seed,
+            **req.sampling(),
+            "logprobs": req.logprobs_count(),
             "num_draft_tokens": req.num_draft_tokens,
             "speculative": req.speculative,
             "stop": req.stop_list(),
@@ -629,16 +629,17 @@ class OpenAIServer:
             id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
             created=int(time.time()),
             model=self.model_id,
+            tokenizer=self.gen.tokenizer if options.get("logprobs") is not None else None,
         )
         run = self.slot.start(prompt, options)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _ClosingStream(shape.events(run, include_usage), on_close=run.cancel)
         try:
-            text, last = await _until_disconnect(request, _collect(run))
+            text, last, logprobs = await _until_disconnect(request, _collect(run))
         finally:
             run.cancel()
-        return JSONResponse(shape.response(text, last))
+        return JSONResponse(shape.response(text, last, logprobs))
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -710,18 +711,20 @@ def _surely_too_long(tokenizer: Any, texts: Sequence[str], limit: int) -> bool:
     return False
 
 
-async def _collect(run: Run) -> tuple[str, Chunk]:
+async def _collect(run: Run) -> tuple[str, Chunk, list[Any]]:
     parts: list[str] = []
+    logprobs: list[Any] = []
     last: Chunk | None = None
     try:
         async for chunks in run.batches():
             parts += [c.text for c in chunks]
+            logprobs += [lp for c in chunks for lp in c.logprobs or ()]
             last = chunks[-1]
     except Exception as e:
         raise _api_error(e) from None
     if last is None:
         raise APIError(500, "The generation ended without a result.", type="server_error")
-    return "".join(parts), last
+    return "".join(parts), last, logprobs
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -755,6 +758,14 @@ class _Shape:
     id: str
     created: int
     model: str
+    tokenizer: Any = None  # set when the request asked for logprobs
+
+    def _logprobs(self, logprobs: list[Any], offset: int = 0) -> dict[str, Any] | None:
+        if self.tokenizer is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tokenizer, logprobs)
+        return completion_logprobs(self.tokenizer, logprobs, offset)
 
     def _envelope(self, choices: list[dict[str, Any]], streamed: bool) -> dict[str, Any]:
         if self.chat:
@@ -781,9 +792,11 @@ class _Shape:
         message = {"role": "assistant", "content": text, "refusal": None}
         return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
 
-    def response(self, text: str, last: Chunk) -> dict[str, Any]:
+    def response(self, text: str, last: Chunk, logprobs: list[Any]) -> dict[str, Any]:
         stats = last.stats or {}
-        body = self._envelope([self._choice(text, _finish(last), streamed=False)], False)
+        choice = self._choice(text, _finish(last), streamed=False)
+        choice["logprobs"] = self._logprobs(logprobs)
+        body = self._envelope([choice], False)
         body["usage"] = _usage(stats)
         body["ondevice"] = stats
         return body
@@ -794,12 +807,20 @@ class _Shape:
             yield _sse(
                 self._envelope([self._choice("", None, True, role=True)], True) | usage_field
             )
+        offset = 0  # characters sent so far (completions' text_offset)
+        lps: list[Any] = []
         try:
             async for chunks in run.batches():
                 events = []
                 text = "".join(c.text for c in chunks)
+                # a token may complete no text yet (half a character): its logprob waits
+                lps += [lp for c in chunks for lp in c.logprobs or ()]
                 if text:
-                    delta = self._envelope([self._choice(text, None, True)], True)
+                    choice = self._choice(text, None, True)
+                    choice["logprobs"] = self._logprobs(lps, offset)
+                    lps = []
+                    offset += len(text)
+                    delta = self._envelope([choice], True)
                     events.append(_sse(delta | usage_field))
                 last = chunks[-1]
                 if last.finish_reason is not None:

@@ -261,6 +261,7 @@ class PipelinedDecoder:
             self.verifier.feed(prompt[:-1], last_only=True)
             with self._stream():
                 self.draft.feed(prompt[:-1], last_only=True)
+        self.chooser.start(prompt)
         self.time_prefill += time.perf_counter() - t
 
     # -- drafting -------------------------------------------------------------------------------
@@ -280,8 +281,8 @@ class PipelinedDecoder:
                 tok = seq[i] if i < len(seq) else chain[i - len(seq)]
                 logits = draft.feed([tok], last_only=True)
         assert logits is not None, "the draft's cache ran ahead of the sequence"
-        x, q = self.chooser.draft(logits, pos)
-        conf = self.chooser.confidence(logits, q) if self.k.adaptive else 1.0
+        x, q = self.chooser.draft(logits, pos, seq, chain)
+        conf = self.chooser.confidence(logits, q, seq, chain) if self.k.adaptive else 1.0
         chain.append(x)
         self._chain_q.append(q)
         self._chain_conf.append(conf)
@@ -391,7 +392,7 @@ class PipelinedDecoder:
             self.calls["verify"].append((pending.length, pending.t_done - pending.t_submit))
             # 4. decide, exactly as the sequential decoder does
             t_host = time.perf_counter()
-            n, tok = self.chooser.decide(block, q, logits, len(seq))
+            n, tok = self.chooser.decide(block, q, logits, len(seq), seq)
             self.verifier.trim(K - n)
             hit = n == K and len(self._chain) > K and self._chain[K] == tok
             if hit:
@@ -425,7 +426,7 @@ class PipelinedDecoder:
             self.cost.observe_host(host)
             self.calls["host"].append(host)
             self._t_end = time.perf_counter()
-            yield Round(out, flags, K, n, finish)
+            yield Round(out, flags, K, n, finish, self.chooser.logprobs(logits, out))
             if finish:
                 return
 

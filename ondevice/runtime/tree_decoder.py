@@ -34,7 +34,7 @@ from ondevice.speculative.proposers import (
     PromptLookup,
     Proposer,
 )
-from ondevice.speculative.sampling import SamplingParams, probabilities
+from ondevice.speculative.sampling import SamplingParams, Transform, token_logprobs
 from ondevice.speculative.tree import TokenTree, accept_greedy, accept_sampled
 
 METHODS = ("chain", "tree", "pld", "lookahead", "cascade", "auto")
@@ -117,6 +117,7 @@ class TreeDecoder:
         self.verifier = verifier
         self.proposer = proposer
         self.params = params
+        self.transform = Transform(params, verifier.vocab_size)
         self.eos = frozenset(eos_token_ids)
         self.rng = np.random.default_rng(seed)
         self.stats = DecodeStats()
@@ -140,6 +141,7 @@ class TreeDecoder:
         if len(prompt) > 1:
             self.verifier.feed(prompt[:-1], last_only=True)
         self.proposer.reset(prompt)
+        self.transform.start(prompt)
         self.time_prefill += time.perf_counter() - t
 
     def verify(self, seq: list[int], tree: TokenTree) -> tuple[list[int], int, np.ndarray]:
@@ -147,7 +149,10 @@ class TreeDecoder:
         logits = self.verifier.feed_masked(
             tree.tokens, tree.positions(len(seq) - 1), tree.ancestors()
         )
-        target = np.argmax(logits, -1)
+        tf = self.transform
+        # node i's context: the committed sequence and the tokens on the path to i
+        paths = [tree.path_tokens(n) for n in range(len(tree))] if tf.active else None
+        target = tf.argmax(logits, seq, paths) if tf.active else np.argmax(logits, -1)
         if self.params.greedy:
             path, tok = accept_greedy(tree, target)
         else:
@@ -155,11 +160,13 @@ class TreeDecoder:
 
             def p(node: int) -> np.ndarray:  # only the visited nodes' distributions
                 if node not in rows:
-                    rows[node] = probabilities(logits[node], self.params)
+                    ctx = [paths[node]] if paths is not None else [()]
+                    rows[node] = tf.probs(logits[node], seq, ctx)
                 return rows[node]
 
             path, tok = self.rule(tree, p, self.rng)
         self.verifier.keep(len(tree), [0, *path])
+        self._logits, self._nodes = logits, [0, *path]
         return path, tok, target
 
     def run(self, prompt: Sequence[int], max_tokens: int) -> Iterator[Round]:
@@ -203,7 +210,10 @@ class TreeDecoder:
                 finish = "length"
             seq.extend(out)
             produced += len(out)
-            yield Round(out, flags, tree.size, len(path), finish)
+            lp = None
+            if self.params.logprobs is not None:
+                lp = token_logprobs(self._logits[self._nodes], out, self.params.logprobs)
+            yield Round(out, flags, tree.size, len(path), finish, lp)
             if finish:
                 return
 

@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from ondevice.speculative.engine import Engine
-from ondevice.speculative.sampling import SamplingParams, probabilities, sample
+from ondevice.speculative.sampling import SamplingParams, Transform, probabilities, sample
 from ondevice.speculative.tree import CHAIN_4, TokenTree, check_shape
 
 
@@ -246,6 +246,8 @@ class DraftTreeProposer:
         self.state = draft if isinstance(draft, DraftState) else DraftState(draft, vocab)
         self.vocab = vocab
         self.params = params
+        self.transform = Transform(params, vocab)
+        self._seq: list[int] = []
         self.mode = mode
         self.depth = depth
         self.topk = topk
@@ -263,8 +265,13 @@ class DraftTreeProposer:
 
     def reset(self, prompt: Sequence[int]) -> None:
         self.state.reset(prompt)
+        self.transform.start(prompt)
 
-    def _dist(self, logits: np.ndarray) -> np.ndarray:
+    def _dist(self, logits: np.ndarray, tree: TokenTree, node: int) -> np.ndarray:
+        """The draft's distribution after `node` (its context: the sequence and node's path)."""
+        tf = self.transform
+        if tf.active:
+            logits = tf.logits(logits, self._seq, [tree.path_tokens(node)])
         if self.params.greedy:
             return softmax(logits)
         return probabilities(logits, self.params)
@@ -275,6 +282,7 @@ class DraftTreeProposer:
 
     def propose(self, seq: list[int], max_depth: int, rng: np.random.Generator) -> TokenTree:
         root_logits = self.state.sync(seq)
+        self._seq = seq
         self._depth_pred = None
         if self.mode == "dynamic":
             cand, kept, tree = self._dynamic(seq[-1], root_logits, max_depth)
@@ -294,7 +302,7 @@ class DraftTreeProposer:
         cand = TokenTree.root(root)
         raw = [1.0]  # product of draft probabilities along the path
         value = [1.0]  # calibrated, and never above the parent's
-        dists = {0: self._dist(root_logits)}
+        dists = {0: self._dist(root_logits, cand, 0)}
         frontier = [0]
         depth = min(self.depth, max_depth)
         for level in range(1, depth + 1):
@@ -317,7 +325,7 @@ class DraftTreeProposer:
             if gain * self.token_value < self.expand_cost:
                 break
             for node, row in zip(frontier, self.state.expand(cand, frontier)):
-                dists[node] = self._dist(row)
+                dists[node] = self._dist(row, cand, node)
         vals = np.array(value[1:])
         order = np.argsort(-vals, kind="stable") + 1  # parents precede children on ties
         # may be 0: where even the best node does not pay for its verification, this round is
@@ -340,7 +348,7 @@ class DraftTreeProposer:
     ) -> TokenTree:
         tree = TokenTree.root(root)
         node_of: dict[tuple[int, ...], int] = {(): 0}
-        dists = {0: self._dist(root_logits)}
+        dists = {0: self._dist(root_logits, tree, 0)}
         by_depth: dict[int, list[tuple[int, ...]]] = {}
         for p in shape:
             if len(p) <= max_depth:
@@ -351,7 +359,7 @@ class DraftTreeProposer:
             missing = [n for n in parents if n not in dists]
             if missing:
                 for node, row in zip(missing, self.state.expand(tree, missing)):
-                    dists[node] = self._dist(row)
+                    dists[node] = self._dist(row, tree, node)
             children: dict[int, list[int]] = {}  # parent node -> child node per rank
             for p in paths:
                 parent = node_of.get(p[:-1])
@@ -631,6 +639,7 @@ class CascadeProposer:
         self.name = name
         self.state = draft if isinstance(draft, DraftState) else DraftState(draft, vocab)
         self.params = params
+        self.transform = Transform(params, vocab)
         self.lookup = lookup or PromptLookup(branches=1)
         self.budget = fixed_budget(budget) if isinstance(budget, int) else budget
         self.model = AcceptanceModel()
@@ -640,6 +649,7 @@ class CascadeProposer:
     def reset(self, prompt: Sequence[int]) -> None:
         self.state.reset(prompt)
         self.lookup.reset(prompt)
+        self.transform.start(prompt)
         self.model = AcceptanceModel()
 
     def _feed(self, tokens: list[int]) -> np.ndarray:
@@ -668,7 +678,7 @@ class CascadeProposer:
         drafts: list[int] = []
         qs: list[np.ndarray] = []
         while len(drafts) < k:
-            q = probabilities(logits, self.params)
+            q = self.transform.probs(logits, seq, [drafts])
             found = self.lookup.guesses([*seq, *drafts], k - len(drafts))
             if not found:
                 x, _ = self._step(q, None, rng)
@@ -692,7 +702,7 @@ class CascadeProposer:
                 if len(drafts) >= k:
                     self.state.truncate(base + i + 1)
                     break
-                q, logits = probabilities(rows[i], self.params), rows[i]
+                q, logits = self.transform.probs(rows[i], seq, [drafts]), rows[i]
         tree = TokenTree.root(seq[-1])
         node = 0
         for x, q in zip(drafts, qs):
