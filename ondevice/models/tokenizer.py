@@ -1,19 +1,26 @@
 """Tokenizers from HF files or GGUF metadata, chat templates, streaming detokenization, pair checks.
 
-Built on the `tokenizers` library and jinja2 directly: it is what transformers' fast tokenizers
-use underneath, without importing transformers (slow, and it warns about torch on every start).
+A model folder is read with transformers' `AutoTokenizer` (fast tokenizers; a folder with only
+SentencePiece's `tokenizer.model` is converted through `sentencepiece`), and chat templates are
+rendered by its `apply_chat_template`, so tools, documents and template keyword arguments
+(Qwen3's `enable_thinking`) work as they do there. A GGUF file carries its vocabulary in its
+metadata: that one is built with the `tokenizers` library (gguf.py) and wrapped in the same
+transformers class for its template. Encoding and decoding call the Rust tokenizer directly,
+and streaming text comes from `tokenizers`' `DecodeStream` (linear in the answer's length).
+transformers runs without torch here; its notice about that is silenced.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from ondevice.errors import ModelFormatError, OndeviceError, TokenizerMismatchError
 
@@ -30,8 +37,10 @@ class Tokenizer:
         eos_token: str | None = None,
         chat_template: str | None = None,
         add_bos_token: bool = False,
+        hf: Any = None,
     ) -> None:
         self._tok = tok
+        self._hf = hf  # the transformers tokenizer (built on first use when None)
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
@@ -47,16 +56,11 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
         path = Path(path)
-        tj = path / "tokenizer.json"
-        if not tj.exists():
+        if not (path / "tokenizer.json").exists() and not (path / "tokenizer.model").exists():
             raise ModelFormatError(
-                f"{path}: no tokenizer.json. ondevice needs a fast tokenizer file; "
-                "re-save the tokenizer with transformers (`tokenizer.save_pretrained(dir)`)."
+                f"{path}: no tokenizer.json (or SentencePiece tokenizer.model). Save the "
+                "tokenizer with transformers (`tokenizer.save_pretrained(dir)`)."
             )
-        try:
-            tok = HFTokenizer.from_file(str(tj))
-        except Exception as e:
-            raise ModelFormatError(f"{tj}: cannot be read as a tokenizer ({e}).") from None
         cfg: dict[str, Any] = {}
         tc = path / "tokenizer_config.json"
         if tc.exists():
@@ -64,20 +68,29 @@ class Tokenizer:
                 cfg = json.loads(tc.read_text())
             except json.JSONDecodeError as e:
                 raise ModelFormatError(f"{tc}: not valid JSON ({e}).") from None
-        template = cfg.get("chat_template")
-        jinja = path / "chat_template.jinja"
-        if template is None and jinja.exists():
-            template = jinja.read_text()
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
+        try:
+            hf = transformers().AutoTokenizer.from_pretrained(str(path))
+        except Exception as e:  # transformers raises many kinds for a damaged folder
+            raise ModelFormatError(
+                f"{path}: the tokenizer cannot be read ({type(e).__name__}: {e})."
+            ) from None
+        if not hasattr(hf, "backend_tokenizer"):
+            raise ModelFormatError(
+                f"{path}: transformers gives a slow {type(hf).__name__} for this tokenizer; "
+                "ondevice needs a fast one (install `sentencepiece` and `protobuf`, or save a "
+                "tokenizer.json)."
+            )
+        template = hf.chat_template
+        if isinstance(template, dict):  # named templates: {"default": ..., "tool_use": ...}
+            template = template.get("default") or next(iter(template.values()), None)
         return cls(
-            tok,
+            hf.backend_tokenizer,
             eos_token_ids=eos_token_ids,
-            bos_token=_token_text(cfg.get("bos_token")),
-            eos_token=_token_text(cfg.get("eos_token")),
+            bos_token=hf.bos_token,
+            eos_token=hf.eos_token,
             chat_template=template,
             add_bos_token=bool(cfg.get("add_bos_token", False)),
+            hf=hf,
         )
 
     def save(self, path: str | Path) -> None:
@@ -122,24 +135,39 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        template: str | None = None,
+        **kwargs: Any,
     ) -> str:
-        if not self.chat_template:
-            raise ModelFormatError(
-                "this model has no chat template; pass a plain string prompt or "
-                "chat_template=False (CLI: --no-chat-template)."
-            )
+        """The chat rendered as text by the model's template (or `template`): `tools` (OpenAI
+        function schemas) and `kwargs` (e.g. enable_thinking=False) reach the template. A
+        model without a template gets `DEFAULT_CHAT_TEMPLATE`."""
         from jinja2.exceptions import TemplateError
 
         try:
-            return _compile(self.chat_template).render(
-                messages=messages,
+            return self.hf.apply_chat_template(
+                messages,
+                tools=tools or None,
+                chat_template=template or self.chat_template or DEFAULT_CHAT_TEMPLATE,
                 add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+                tokenize=False,
+                **kwargs,
             )
         except TemplateError as e:  # the template refuses these messages (e.g. role order)
             raise OndeviceError(f"the model's chat template rejects these messages: {e}") from None
+
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer over the same Rust tokenizer."""
+        if self._hf is None:
+            self._hf = transformers().PreTrainedTokenizerFast(
+                tokenizer_object=self._tok, bos_token=self.bos_token, eos_token=self.eos_token
+            )
+        return self._hf
 
     def detokenizer(self) -> StreamingDetokenizer:
         return StreamingDetokenizer(self)
@@ -181,62 +209,52 @@ def _check_text(text: Any) -> None:
         ) from None
 
 
-_TEMPLATES: dict[str, Any] = {}
+# For models that ship no chat template: role-labelled turns (mlx-lm's server also falls back to
+# plain "role: content" text for such models).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
-def _compile(template: str):
-    """Compile a chat template the way transformers does (sandboxed jinja, same helpers)."""
-    if template not in _TEMPLATES:
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+def transformers() -> Any:
+    """The transformers module, imported on first use without its notice that torch is absent
+    (ondevice uses only its tokenizers and chat templates)."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import transformers as tf
 
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        def tojson(
-            x: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys=False
-        ):
-            return json.dumps(
-                x,
-                ensure_ascii=ensure_ascii,
-                indent=indent,
-                separators=separators,
-                sort_keys=sort_keys,
-            )
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        _TEMPLATES[template] = env.from_string(template)
-    return _TEMPLATES[template]
+    return tf
 
 
 class StreamingDetokenizer:
-    """Turns a growing list of ids into text pieces, holding back incomplete UTF-8 sequences.
-
-    It decodes the whole sequence each time (decoding is fast and in Rust): decoding pieces
-    separately would lose the leading spaces that SentencePiece-style decoders strip.
-    """
+    """Turns a growing list of ids into text pieces with `tokenizers`' `DecodeStream`, which
+    decodes only the last few tokens per step (linear in the answer's length; decoding the
+    whole answer again per token was quadratic), keeps SentencePiece's leading spaces right
+    and holds back incomplete UTF-8 sequences."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=False)
         self._ids: list[int] = []
         self.text = ""  # everything emitted so far
 
     def add(self, ids: Sequence[int]) -> str:
         """Append ids and return the newly completed text."""
-        self._ids.extend(ids)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd") or not text.startswith(self.text):
-            return ""  # wait for the rest of a multi-byte character
-        new, self.text = text[len(self.text) :], text
-        return new
+        new = []
+        for i in ids:
+            self._ids.append(i)
+            piece = self._stream.step(self._tok._tok, i)
+            if piece:
+                new.append(piece)
+        out = "".join(new)
+        self.text += out
+        return out
 
     def flush(self) -> str:
+        """What the stream still holds back at the end (an incomplete character)."""
         text = self._tok.decode(self._ids)
         new = text[len(self.text) :] if text.startswith(self.text) else ""
-        self.text = text
+        self.text += new
         return new
 
 
