@@ -22,6 +22,7 @@ from ondevice.models import LoadedModel, load_model
 from ondevice.models.tokenizer import Tokenizer, check_pair
 from ondevice.runtime import threads
 from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engine
+from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
 from ondevice.speculative.decoder import Round, SpeculativeDecoder
 from ondevice.speculative.sampling import Grammar, SamplingParams, TokenLogprob, Transform
 
@@ -107,7 +108,9 @@ def _check_type(name: str, value: Any, types: type | tuple[type, ...], what: str
 class Generator:
     """A loaded verifier (and optional draft) ready to generate."""
 
-    def __init__(self, pair: _Pair, draft_backend: str = "auto"):
+    def __init__(
+        self, pair: _Pair, draft_backend: str = "auto", prompt_cache_bytes: int = DEFAULT_MAX_BYTES
+    ):
         self._pair = pair
         self.tokenizer: Tokenizer = pair.verifier.tokenizer
         self.model_name = str(pair.extra.get("name") or pair.verifier.path.name)
@@ -123,7 +126,12 @@ class Generator:
             )
         self.draft_backend = self.draft.name if self.draft is not None else None
         self._lock = threading.Lock()  # one generation at a time per loaded model
-        self._worker: _Worker | None = None  # astream's generation thread, reused across calls
+        # The model's generation thread: every generation runs there, so the KV caches (whose
+        # MLX arrays belong to the thread's stream) outlive a call and the prompt cache can
+        # reuse them. Started on first use.
+        self._worker: _Worker | None = None
+        self.prompt_cache = PrefixCache(prompt_cache_bytes)
+        self._fingerprints: dict[str, str] | None = None
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -184,6 +192,7 @@ class Generator:
         logit_bias: dict[int, float] | None = None,
         logprobs: int | None = None,
         grammar: Grammar | None = None,
+        cache_prompt: bool = True,
         _cancel: threading.Event | None = None,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are decided; the last chunk carries finish_reason and stats.
@@ -193,6 +202,9 @@ class Generator:
         "cascade" (the draft itself sped up by prompt lookup) or "auto".
         pipeline: overlap drafting with verification (chain only); None picks what is faster
         for the draft backend. Every choice gives the same tokens for the same seed.
+        cache_prompt: start from the longest prefix of the prompt whose KV the prompt cache
+        holds (`stats["cached_tokens"]`), and keep this generation's KV there; the tokens are
+        the same either way.
         min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias and
         grammar (`speculative.grammar`) transform the distribution of the verifier and of the
         draft alike, so speculation stays exact for the transformed law. logprobs: report the
@@ -224,15 +236,166 @@ class Generator:
         if not self._lock.acquire(blocking=False):
             raise OndeviceError("this model is already generating; wait for it to finish.")
         try:
-            dec = self._decoder(params, seed, num_draft_tokens, speculative, method, pipeline)
-            yield from self._stream(dec, ids, max_tokens, stops, _cancel)
+            cancel = _cancel or threading.Event()
+
+            def job() -> Iterator[Chunk]:
+                dec = self._decoder(params, seed, num_draft_tokens, speculative, method, pipeline)
+                draft = self.draft if speculative else None
+                return self._cached_stream(dec, draft, ids, max_tokens, stops, cancel, cache_prompt)
+
+            yield from self._on_worker(job, cancel)
         finally:
-            # Drop the caches: their arrays belong to this thread's MLX stream, which must not
-            # outlive the thread (servers and chat apps generate in worker threads).
-            self.verifier.reset()
-            if self.draft is not None:
-                self.draft.reset()
             self._lock.release()
+
+    # -- the generation thread and the prompt cache -----------------------------------------
+
+    def _thread(self) -> _Worker:
+        if self._worker is None:
+            self._worker = _Worker("ondevice-generate")
+            weakref.finalize(self, self._worker.stop)
+        return self._worker
+
+    def _on_worker(self, job: Callable[[], Iterator[Chunk]], cancel: threading.Event):
+        """Run the chunks of `job()` on the model's thread and yield them here. Closing this
+        iterator cancels the generation (after its current round) and waits for its end."""
+        worker = self._thread()
+        if worker.is_current():
+            yield from job()
+            return
+        chunks: queue.SimpleQueue = queue.SimpleQueue()
+        done = object()
+
+        def work() -> None:
+            try:
+                for chunk in job():
+                    chunks.put(chunk)
+            except BaseException as e:  # delivered to the consumer
+                chunks.put(e)
+            finally:
+                chunks.put(done)
+
+        finished = worker.submit(work)
+        try:
+            while (item := chunks.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            cancel.set()
+            finished.result()  # the model is free when this returns
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the model's thread (it may touch the caches); its result or exception."""
+        worker = self._thread()
+        return fn() if worker.is_current() else worker.submit(fn).result()
+
+    def _cached_stream(self, dec, draft, ids, max_tokens, stops, cancel, cache_prompt):
+        """`_stream` from the prompt cache's longest prefix of `ids`; afterwards the caches are
+        kept there (or dropped when the generation failed mid-round)."""
+        t = time.perf_counter()
+        if cache_prompt:
+            restored = self.prompt_cache.restore(ids, self.verifier, draft)
+        else:
+            restored = Restored()
+            self._reset_engines()
+        t_restore = time.perf_counter() - t
+        emitted: list[int] = []
+        consistent = True  # the caches hold whole rounds (a closed stream stops between them)
+        chunks = self._stream(dec, ids, max_tokens, stops, cancel)
+        try:
+            for chunk in chunks:
+                emitted.extend(chunk.tokens)
+                if chunk.stats is not None:
+                    chunk.stats["cached_tokens"] = restored.verifier
+                    chunk.stats["draft_cached_tokens"] = restored.draft
+                    chunk.stats["prompt_seconds"] += t_restore
+                    chunk.stats["total_seconds"] += t_restore
+                yield chunk
+        except GeneratorExit:
+            raise
+        except BaseException:
+            consistent = False
+            raise
+        finally:
+            chunks.close()  # stops the decoder between rounds
+            if cache_prompt and consistent:
+                seq = [*ids, *emitted]
+                self.prompt_cache.store(
+                    seq, self.verifier, draft, len(seq), dec.draft_prefix_length()
+                )
+            self._reset_engines()
+
+    def _reset_engines(self) -> None:
+        self.verifier.reset()
+        if self.draft is not None:
+            self.draft.reset()
+
+    def prompt_cache_stats(self) -> dict[str, int]:
+        """entries, bytes, max_bytes, hits, misses, evictions and cached_tokens (in total)."""
+        return self.prompt_cache.stats()
+
+    def clear_prompt_cache(self) -> None:
+        self._call(self.prompt_cache.clear)
+
+    def fingerprints(self) -> dict[str, str]:
+        """What a saved prompt cache must match: tokenizer, verifier and draft."""
+        if self._fingerprints is None:
+            from ondevice.runtime.prefix_cache import model_fingerprint, package_fingerprint
+
+            fp = {
+                "tokenizer": self.tokenizer.fingerprint(),
+                "verifier": self._call(lambda: model_fingerprint(self.verifier.model)),
+                "draft": "",
+            }
+            if isinstance(self.draft, MLXEngine):
+                fp["draft"] = "mlx:" + self._call(lambda: model_fingerprint(self.draft.model))
+            elif self.draft is not None:
+                fp["draft"] = "package:" + package_fingerprint(self.draft.path)
+            self._fingerprints = fp
+        return self._fingerprints
+
+    def save_prompt_cache(
+        self, path: str | Path, prompt: Prompt, chat_template: bool = True
+    ) -> int:
+        """Prefill `prompt` and write both models' KV of it to `path` (safetensors), for
+        `load(..., prompt_cache=path)`. Returns the number of tokens saved."""
+        ids = self.encode_prompt(prompt, chat_template)
+        fingerprints = self.fingerprints()
+        if len(ids) >= self.context_length:
+            from ondevice.errors import ContextLengthError
+
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens; the model's context is {self.context_length}."
+            )
+        if not self._lock.acquire(blocking=False):
+            raise OndeviceError("this model is already generating; wait for it to finish.")
+
+        def work() -> None:
+            from ondevice.speculative.engine import prefill
+
+            self.prompt_cache.restore(ids, self.verifier, self.draft)
+            try:
+                prefill(self.verifier, ids, resume=True)
+                if self.draft is not None:
+                    prefill(self.draft, ids, resume=True)
+                self.prompt_cache.save_file(path, ids, self.verifier, self.draft, fingerprints)
+                self.prompt_cache.store(ids, self.verifier, self.draft, len(ids), len(ids))
+            finally:
+                self._reset_engines()
+
+        try:
+            self._call(work)
+        finally:
+            self._lock.release()
+        return len(ids)
+
+    def load_prompt_cache(self, path: str | Path) -> int:
+        """Start every later prompt that begins with the prompt saved at `path` (by
+        `save_prompt_cache` or `ondevice cache-prompt`) from its KV. Returns its length."""
+        fingerprints = self.fingerprints()
+        return self._call(
+            lambda: self.prompt_cache.load_file(path, self.verifier, self.draft, fingerprints)
+        )
 
     def _decoder(self, params, seed, num_draft_tokens, speculative, method, pipeline):
         if method not in METHODS:
@@ -266,7 +429,7 @@ class Generator:
         mx.reset_peak_memory()
         t0 = time.perf_counter()
         finish = "length"
-        rounds: Iterator[Round] = dec.run(ids, max_tokens) if max_tokens > 0 else iter(())
+        rounds: Iterator[Round] = dec.run(ids, max_tokens, resume=True) if max_tokens > 0 else iter(())
         try:
             for rnd in rounds:
                 stopped = False
@@ -352,11 +515,8 @@ class Generator:
                 loop.call_soon_threadsafe(queue.put_nowait, done)
 
         # One long-lived thread per model: a new thread per call would leave MLX's per-thread
-        # streams (native threads) behind on every request.
-        if self._worker is None:
-            self._worker = _Worker("ondevice-generate")
-            weakref.finalize(self, self._worker.stop)
-        finished = self._worker.submit(work)
+        # streams (native threads) behind on every request, and the caches could not be kept.
+        finished = self._thread().submit(work)
         try:
             while True:
                 item = await queue.get()
@@ -389,7 +549,10 @@ class _Worker:
         # MLX aborts the process at exit if a thread that used it is still alive then.
         atexit.register(self.stop)
 
-    def submit(self, fn: Callable[[], None]) -> concurrent.futures.Future:
+    def is_current(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._jobs.put((fn, fut))
         return fut
@@ -406,8 +569,7 @@ class _Worker:
         while (job := self._jobs.get()) is not None:
             fn, fut = job
             try:
-                fn()
-                fut.set_result(None)
+                fut.set_result(fn())
             except BaseException as e:
                 fut.set_exception(e)
 
@@ -420,6 +582,8 @@ def load(
     dtype: str | None = None,
     quantize: int | None = None,
     dequantize: bool | None = None,
+    prompt_cache: str | Path | None = None,
+    prompt_cache_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Generator:
     """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
     draft. A pair bundle brings its own draft (Core ML and MLX).
@@ -428,6 +592,10 @@ def load(
     the CPU (Linux), because there its quantized matmul costs grow with every token of a
     verification block while a float32 GEMM (OpenBLAS) verifies 8 tokens for little more than
     one (measured in docs/benchmarks.md). On Apple GPUs quantized weights stay quantized.
+
+    prompt_cache: a file written by `ondevice cache-prompt` (`Generator.save_prompt_cache`):
+    prompts that begin with its tokens start from its KV. prompt_cache_bytes: memory for the
+    KV of recent prompts and answers, reused by later prompts that share a prefix (0: off).
     """
     for name, value in (("verifier", verifier), ("draft", draft)):
         if value is None and name == "draft":
@@ -467,4 +635,7 @@ def load(
         pair.mlpackage = None
     if pair.draft is not None:
         check_pair(pair.verifier.tokenizer, pair.draft.tokenizer, pair.draft.config.vocab_size)
-    return Generator(pair, draft_backend)
+    gen = Generator(pair, draft_backend, prompt_cache_bytes)
+    if prompt_cache is not None:
+        gen.load_prompt_cache(prompt_cache)
+    return gen

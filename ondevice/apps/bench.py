@@ -120,7 +120,10 @@ def run(args: argparse.Namespace) -> int:
     import ondevice
 
     verifier, draft = _models(args)
-    gen = ondevice.load(verifier, draft, draft_backend=args.draft_backend, dtype=args.dtype)
+    # no prompt cache: each method must prefill its prompts, as the peers do
+    gen = ondevice.load(
+        verifier, draft, draft_backend=args.draft_backend, dtype=args.dtype, prompt_cache_bytes=0
+    )
     options = BenchOptions(
         max_tokens=args.max_tokens,
         temperature=args.temp,

@@ -182,6 +182,8 @@ class ChatController:
         draft_backend: str = "auto",
         dtype: str | None = None,
         quantize: int | None = None,
+        prompt_cache: str | os.PathLike | None = None,
+        prompt_cache_bytes: int | None = None,
         wait: bool = False,
     ) -> bool:
         """Load (or switch to) a model in the background. A running answer is stopped first;
@@ -196,6 +198,10 @@ class ChatController:
             options = {"draft": draft, "draft_backend": draft_backend, "dtype": dtype}
             if quantize is not None:
                 options["quantize"] = quantize
+            if prompt_cache is not None:
+                options["prompt_cache"] = prompt_cache
+            if prompt_cache_bytes is not None:
+                options["prompt_cache_bytes"] = prompt_cache_bytes
             self._start(ChatState.LOADING, lambda: self._load(model, options))
         if wait:
             self.wait()
@@ -213,6 +219,11 @@ class ChatController:
         warm_up(gen)
         self._gen, self.model_name, self.error = gen, gen.model_name, None
         self.events.put(ChatEvent("loaded", text=gen.model_name))
+
+    def prompt_cache_stats(self) -> dict[str, int] | None:
+        """The loaded model's prompt cache: entries, bytes, hits, misses, evictions..."""
+        gen = self._gen
+        return gen.prompt_cache_stats() if gen is not None else None
 
     # -- conversation -------------------------------------------------------------------------------
 
@@ -438,16 +449,32 @@ def format_stats(stats: dict[str, Any] | None) -> str:
         parts.append(f"{stats.get('mean_accepted_length', 0.0):.2f} tokens/pass")
     elif "from_draft" in stats:
         parts.append(f"{stats['from_draft']:.0%} from draft")
+    if stats.get("cached_tokens"):
+        parts.append(f"{stats['cached_tokens']} of {stats.get('prompt_tokens', 0)} prompt "
+                     "tokens from the cache")  # fmt: skip
     if stats.get("stopped"):
         parts.append("stopped")
     return ", ".join(parts)
+
+
+def format_prompt_cache(pc: dict[str, int] | None) -> str:
+    """One line about the prompt cache: what it holds and how often it was used."""
+    if not pc:
+        return "prompt cache: no model loaded"
+    if not pc["max_bytes"] and not pc["entries"]:
+        return "prompt cache: off"
+    return (
+        f"prompt cache: {pc['entries']} entries, {human_size(pc['bytes'])} of "
+        f"{human_size(pc['max_bytes'])}, {pc['hits']} hits, {pc['misses']} misses, "
+        f"{pc['evictions']} evictions, {pc['cached_tokens']} tokens reused"
+    )
 
 
 # -- `ondevice chat` -------------------------------------------------------------------------------
 
 HELP = """commands:
   /reset         forget the conversation
-  /stats         statistics of the last answer
+  /stats         statistics of the last answer and of the prompt cache
   /system TEXT   set the system prompt (/system alone shows it)
   /help          this list
   /quit          leave (or Ctrl-D)
@@ -476,6 +503,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ondevice.apps.serve import prompt_cache_options
     from ondevice.errors import OndeviceError
 
     if not args.model:
@@ -501,6 +529,7 @@ def run(args: argparse.Namespace) -> int:
         draft_backend=args.draft_backend,
         dtype=args.dtype,
         quantize=args.quantize,
+        **prompt_cache_options(args),
     )
     ctrl.wait()
     if ctrl.model_name is None:
@@ -553,6 +582,7 @@ class TerminalChat:
             self.say("(conversation cleared)")
         elif name == "/stats":
             self.say(format_stats(self.ctrl.last_stats))
+            self.say(format_prompt_cache(self.ctrl.prompt_cache_stats()))
         elif name == "/system":
             if rest.strip():
                 self.ctrl.set_system_prompt(rest)

@@ -13,7 +13,9 @@ import sys
 from ondevice.errors import OndeviceError
 
 # module (under ondevice.apps) -> its register(subparsers) adds one or more subcommands
-COMMAND_MODULES = ("demo", "generate", "serve", "chat", "pull", "doctor", "bench", "distill")
+COMMAND_MODULES = (
+    "demo", "generate", "serve", "chat", "pull", "doctor", "bench", "distill", "cache_prompt"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,8 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ondevice.apps.serve import add_prompt_cache_arguments
+
     p = sub.add_parser(
         "generate",
         help="generate text for one prompt (speculative when a draft is given)",
@@ -28,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     src.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     src.add_argument("--quantize", type=int, choices=[4, 8], help="quantize the verifier on load")
+    add_prompt_cache_arguments(src)
     pr = p.add_mutually_exclusive_group(required=True)
     pr.add_argument(
         "--prompt", help="prompt text (sent as a user message through the chat template)"
@@ -67,6 +70,7 @@ def _prompt_ids(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     import ondevice
+    from ondevice.apps.serve import prompt_cache_options
 
     prompt = args.prompt if args.prompt is not None else _prompt_ids(args.prompt_ids)
     gen = ondevice.load(
@@ -75,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         draft_backend=args.draft_backend,
         dtype=args.dtype,
         quantize=args.quantize,
+        **prompt_cache_options(args),
     )
     kwargs = dict(
         max_tokens=args.max_tokens,
@@ -118,6 +123,8 @@ def format_stats(s: dict) -> str:
         f"{s['generation_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, "
         f"prompt {s['prompt_tokens']} tokens in {s['prompt_seconds']:.2f}s"
     )
+    if s.get("cached_tokens"):
+        line += f" ({s['cached_tokens']} from the prompt cache)"
     if s.get("drafted"):
         line += (
             f", acceptance {s['acceptance_rate']:.0%}, {s['mean_accepted_length']:.2f} "

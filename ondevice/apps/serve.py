@@ -35,6 +35,32 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="weights dtype")
     p.add_argument("--quantize", type=int, choices=(4, 8), help="quantize the verifier on load")
+    add_prompt_cache_arguments(p)
+
+
+def add_prompt_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """--prompt-cache FILE, --prompt-cache-mb N: `ondevice.load`'s prompt_cache options."""
+    p.add_argument(
+        "--prompt-cache",
+        metavar="FILE",
+        help="a prompt saved by `ondevice cache-prompt`: prompts that begin with it start from "
+        "its KV instead of prefilling it",
+    )
+    p.add_argument(
+        "--prompt-cache-mb",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="memory for the KV of recent prompts and answers, reused by prompts that begin "
+        "the same way (0: off; default: 1024)",
+    )
+
+
+def prompt_cache_options(args: argparse.Namespace) -> dict:
+    """`ondevice.load` keyword arguments from `add_prompt_cache_arguments`' options."""
+    if args.prompt_cache_mb < 0:
+        raise OndeviceError(f"--prompt-cache-mb {args.prompt_cache_mb}: must be 0 or more.")
+    return {"prompt_cache": args.prompt_cache, "prompt_cache_bytes": args.prompt_cache_mb << 20}
 
 
 def load_generator(args: argparse.Namespace) -> Generator:
@@ -51,6 +77,7 @@ def load_generator(args: argparse.Namespace) -> Generator:
         draft_backend=args.draft_backend,
         dtype=args.dtype,
         quantize=args.quantize,
+        **prompt_cache_options(args),
     )
 
 
@@ -59,7 +86,7 @@ def warm_up(gen: Generator) -> None:
     request then pays no one-time setup, and arrays MLX created lazily while loading are
     materialised in the thread that owns their stream (a generation thread cannot)."""
     ids = gen.tokenizer.encode("Hello", add_special_tokens=False) or [0]
-    gen.generate(ids, max_tokens=4, temperature=0.0, chat_template=False)
+    gen.generate(ids, max_tokens=4, temperature=0.0, chat_template=False, cache_prompt=False)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -92,7 +92,9 @@ class Metrics:
         self.accepted += int(stats.get("accepted", 0))
         self.last_tps = float(stats.get("tokens_per_second", 0.0))
 
-    def render(self, queue_length: int, busy: bool) -> str:
+    def render(
+        self, queue_length: int, busy: bool, prompt_cache: dict[str, int] | None = None
+    ) -> str:
         rate = self.accepted / self.drafted if self.drafted else 0.0
         requests = [
             (f'{{path="{p}",status="{s}"}}', n) for (p, s), n in sorted(self.requests.items())
@@ -109,11 +111,29 @@ class Metrics:
             ("queue_length", "gauge", "Requests waiting for the model.", queue_length),
             ("generation_active", "gauge", "1 while the model is generating.", int(busy)),
         ]
+        pc = prompt_cache or {}
+        metrics += [
+            (f"prompt_cache_{name}", kind, help_, pc.get(key, 0))
+            for name, key, kind, help_ in (
+                ("hits_total", "hits", "counter", "Prompts that started from cached KV."),
+                ("misses_total", "misses", "counter", "Prompts with no cached prefix."),
+                ("cached_tokens_total", "cached_tokens", "counter",
+                 "Prompt tokens taken from the cache instead of prefilled."),
+                ("evictions_total", "evictions", "counter", "Entries dropped to stay in budget."),
+                ("entries", "entries", "gauge", "Token sequences whose KV is kept."),
+                ("bytes", "bytes", "gauge", "Memory held by the prompt cache."),
+                ("max_bytes", "max_bytes", "gauge", "The prompt cache's budget (--prompt-cache-mb)."),
+            )
+        ]  # fmt: skip
         lines: list[str] = []
         for name, kind, help_, value in metrics:
             samples = value if isinstance(value, list) else [("", value)]
             lines += [f"# HELP ondevice_{name} {help_}", f"# TYPE ondevice_{name} {kind}"]
-            lines += [f"ondevice_{name}{labels} {v:g}" for labels, v in samples]
+            # integers (counters, bytes) exactly; `g` would round them to 6 digits
+            lines += [
+                f"ondevice_{name}{labels} {v if isinstance(v, int) else format(v, 'g')}"
+                for labels, v in samples
+            ]
         return "\n".join(lines) + "\n"
 
 
@@ -675,7 +695,9 @@ class OpenAIServer:
         )
 
     async def prometheus(self, request: Request) -> Response:
-        text = self.metrics.render(self.slot.waiting, self.slot.busy)
+        text = self.metrics.render(
+            self.slot.waiting, self.slot.busy, self.gen.prompt_cache_stats()
+        )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
@@ -842,12 +864,14 @@ def _finish(chunk: Chunk) -> str:
     return "length" if chunk.finish_reason == "length" else "stop"
 
 
-def _usage(stats: dict[str, Any]) -> dict[str, int]:
+def _usage(stats: dict[str, Any]) -> dict[str, Any]:
     prompt, completion = int(stats.get("prompt_tokens", 0)), int(stats.get("generation_tokens", 0))
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        # OpenAI's field: prompt tokens whose KV came from the prompt cache
+        "prompt_tokens_details": {"cached_tokens": int(stats.get("cached_tokens", 0))},
     }
 
 

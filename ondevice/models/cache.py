@@ -67,6 +67,19 @@ class LayerCache:
     def state(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
 
+    def prefix(self, n: int) -> tuple[mx.array, mx.array] | None:
+        """Keys and values of the first n positions (lazy slices; None when empty)."""
+        if self.keys is None or n <= 0:
+            return None
+        return self.keys[..., :n, :], self.values[..., :n, :]
+
+    @classmethod
+    def holding(cls, keys: mx.array, values: mx.array) -> LayerCache:
+        """A cache whose positions are `keys`/`values` (B, heads, n, d), in fresh buffers."""
+        c = cls()
+        c.update_and_fetch(keys, values)
+        return c
+
 
 class KVCache:
     """The cache of a whole model: one `LayerCache` per layer, all at the same offset."""
@@ -105,3 +118,30 @@ class KVCache:
     @property
     def state(self) -> list[mx.array]:
         return [a for c in self.layers for a in c.state]
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the buffers (allocated positions, not only the used ones)."""
+        return sum(a.nbytes for a in self.state)
+
+    def prefix(self, n: int) -> list[tuple[mx.array, mx.array]]:
+        """Per layer, keys and values of the first n positions (lazy slices)."""
+        if not 0 <= n <= self.offset:
+            raise ValueError(f"prefix: {n} positions asked of a cache holding {self.offset}")
+        return [p for c in self.layers if (p := c.prefix(n)) is not None]
+
+    @classmethod
+    def holding(cls, layers: Sequence[tuple[mx.array, mx.array]]) -> KVCache:
+        """A cache whose positions are the given per-layer keys and values, copied into fresh
+        buffers (appending to it never writes into the arrays given)."""
+        cache = cls(len(layers))
+        cache.layers = [LayerCache.holding(k, v) for k, v in layers]
+        mx.eval(cache.state)
+        return cache
+
+    def copy(self, n: int | None = None) -> KVCache:
+        """An independent cache holding the first n positions (default: all)."""
+        n = self.offset if n is None else n
+        if n == 0:
+            return KVCache(len(self.layers))
+        return KVCache.holding(self.prefix(n))

@@ -68,6 +68,32 @@ class _PackageDraftEngine:
             raise ValueError(f"cannot trim {n} tokens from a cache of {self._pos}.")
         self._pos -= n
 
+    def export_kv(self, n: int) -> dict[str, np.ndarray]:
+        """Copies of the keys and values of the first n positions (float16, each
+        (layers, kv_heads, n, head_dim)): a prefix the cache can start from again."""
+        if not 0 <= n <= self._pos:
+            raise ValueError(f"cannot export {n} positions of a cache holding {self._pos}.")
+        if self.kv == "state":
+            full = {k: self._state.read_state(k) for k in ("key_cache", "value_cache")}
+        else:
+            full = {"key_cache": self._keys, "value_cache": self._values}
+        return {k: np.array(v[:, :, :n], np.float16) for k, v in full.items()}
+
+    def import_kv(self, kv: dict[str, np.ndarray]) -> None:
+        """Start from a prefix `export_kv` gave: the cache then holds its positions."""
+        n = int(kv["key_cache"].shape[2])
+        if n > self.context_length:
+            raise ContextLengthError(f"a prefix of {n} tokens exceeds the draft's context.")
+        if self.kv == "state":
+            for name, part in kv.items():
+                full = np.zeros(tuple(self.meta["kv_cache"]["shape"]), np.float16)
+                full[:, :, :n] = part  # slots beyond n are masked until overwritten
+                self._state.write_state(name, full)
+        else:
+            self._keys[:, :, :n] = kv["key_cache"]
+            self._values[:, :, :n] = kv["value_cache"]
+        self._pos = n
+
     def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray:
         toks = [int(t) for t in tokens]
         if not toks:

@@ -51,7 +51,7 @@ from ondevice.speculative.decoder import (
     TokenChooser,
     block_length,
 )
-from ondevice.speculative.engine import Engine
+from ondevice.speculative.engine import Engine, prefill
 from ondevice.speculative.sampling import SamplingParams
 
 # -- running the verifier in the background ---------------------------------------------------
@@ -245,7 +245,7 @@ class PipelinedDecoder:
 
     # -- setup ----------------------------------------------------------------------------------
 
-    def _prefill(self, prompt: Sequence[int]) -> None:
+    def _prefill(self, prompt: Sequence[int], resume: bool = False) -> None:
         if not prompt:
             raise ValueError("the prompt is empty")
         limit = self.verifier.context_length
@@ -255,12 +255,9 @@ class PipelinedDecoder:
                 "shorten the prompt."
             )
         t = time.perf_counter()
-        self.verifier.reset()
-        self.draft.reset()
-        if len(prompt) > 1:
-            self.verifier.feed(prompt[:-1], last_only=True)
-            with self._stream():
-                self.draft.feed(prompt[:-1], last_only=True)
+        prefill(self.verifier, prompt[:-1], resume)
+        with self._stream():
+            prefill(self.draft, prompt[:-1], resume)
         self.chooser.start(prompt)
         self.time_prefill += time.perf_counter() - t
 
@@ -319,9 +316,12 @@ class PipelinedDecoder:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def run(self, prompt: Sequence[int], max_tokens: int) -> Iterator[Round]:
+    def run(
+        self, prompt: Sequence[int], max_tokens: int, resume: bool = False
+    ) -> Iterator[Round]:
+        """As `SpeculativeDecoder.run` (resume: the caches already hold a prefix of `prompt`)."""
         self._stream = _mlx_draft_stream if _is_mlx(self.draft) else _NoStream
-        self._prefill(prompt)
+        self._prefill(prompt, resume)
         submitter = (
             _MLXVerifier(self.verifier)
             if _is_mlx(self.verifier)
@@ -431,6 +431,11 @@ class PipelinedDecoder:
                 return
 
     # -- stats ----------------------------------------------------------------------------------
+
+    def draft_prefix_length(self) -> int:
+        """How many leading entries of the draft's cache hold the sequence committed so far
+        (at a round's end its cache holds that sequence, then perhaps pre-drafted tokens)."""
+        return min(self.draft.length, len(getattr(self, "_seq", ())))
 
     def extra_stats(self) -> dict:
         """overlap: fraction of the decoding wall time with both engines busy; *_idle_s: wall

@@ -26,7 +26,14 @@ class PlainGreedyDecoder:
         self.time_verify = 0.0
         self.time_prefill = 0.0
 
-    def run(self, prompt: Sequence[int], max_tokens: int) -> Iterator[Round]:
+    def draft_prefix_length(self) -> int:
+        return 0  # no draft
+
+    def run(
+        self, prompt: Sequence[int], max_tokens: int, resume: bool = False
+    ) -> Iterator[Round]:
+        """resume: the verifier's cache already holds a prefix of `prompt` (at most all but its
+        last token), so only the rest is fed."""
         v = self.verifier
         limit = v.context_length
         if len(prompt) >= limit:
@@ -36,8 +43,11 @@ class PlainGreedyDecoder:
             )
         room = min(max_tokens, limit - len(prompt))
         t0 = time.perf_counter()
-        v.reset()
-        y = mx.argmax(v.forward(prompt, last_only=True)[-1])
+        if not resume:
+            v.reset()
+        if v.length >= len(prompt):
+            raise ValueError("the cache must leave at least the prompt's last token to feed")
+        y = mx.argmax(v.forward(prompt[v.length :], last_only=True)[-1])
         mx.async_eval(y)
         pending = [y]
         try:

@@ -24,7 +24,7 @@ from ondevice.errors import ContextLengthError, OndeviceError
 from ondevice.runtime.engines import MLXEngine
 from ondevice.runtime.treecost import CostProfile, best_size, load_profile
 from ondevice.speculative.decoder import DecodeStats, Round, SpeculativeDecoder
-from ondevice.speculative.engine import Engine
+from ondevice.speculative.engine import Engine, prefill
 from ondevice.speculative.proposers import (
     CascadeProposer,
     DraftState,
@@ -108,6 +108,7 @@ class TreeDecoder:
         eos_token_ids: Sequence[int] = (),
         seed: int | None = None,
         rule: Rule | None = None,
+        draft_state: DraftState | None = None,
     ) -> None:
         verifier = tree_engine(verifier)
         if not hasattr(verifier, "feed_masked"):
@@ -116,6 +117,7 @@ class TreeDecoder:
             )
         self.verifier = verifier
         self.proposer = proposer
+        self.draft_state = draft_state  # the proposers' draft, if they have one
         self.params = params
         self.transform = Transform(params, verifier.vocab_size)
         self.eos = frozenset(eos_token_ids)
@@ -127,7 +129,8 @@ class TreeDecoder:
         self.time_verify = 0.0
         self.time_prefill = 0.0
 
-    def prefill(self, prompt: Sequence[int]) -> None:
+    def prefill(self, prompt: Sequence[int], resume: bool = False) -> None:
+        """Fill the caches with prompt[:-1]; `resume`: they already hold a prefix of it."""
         if not prompt:
             raise ValueError("the prompt is empty")
         limit = self.verifier.context_length
@@ -137,9 +140,10 @@ class TreeDecoder:
                 "shorten the prompt."
             )
         t = time.perf_counter()
-        self.verifier.reset()
-        if len(prompt) > 1:
-            self.verifier.feed(prompt[:-1], last_only=True)
+        prefill(self.verifier, prompt[:-1], resume)
+        if resume and self.draft_state is not None:
+            engine = self.draft_state.engine
+            self.draft_state.resume(prompt[: min(engine.length, len(prompt) - 1)])
         self.proposer.reset(prompt)
         self.transform.start(prompt)
         self.time_prefill += time.perf_counter() - t
@@ -169,9 +173,18 @@ class TreeDecoder:
         self._logits, self._nodes = logits, [0, *path]
         return path, tok, target
 
-    def run(self, prompt: Sequence[int], max_tokens: int) -> Iterator[Round]:
+    def draft_prefix_length(self) -> int:
+        """How many leading entries of the draft's cache hold the sequence committed so far."""
+        state = self.draft_state
+        return len(state.tokens) if state is not None and state.tokens is not None else 0
+
+    def run(
+        self, prompt: Sequence[int], max_tokens: int, resume: bool = False
+    ) -> Iterator[Round]:
+        """Rounds of tokens after `prompt`. resume: the engines' caches already hold a prefix
+        of the prompt (see `prefill`)."""
         seq = list(prompt)
-        self.prefill(seq)
+        self.prefill(seq, resume)
         produced = 0
         limit = self.verifier.context_length
         per_method = self.stats.extra.setdefault("rounds_by_method", {})
@@ -405,5 +418,6 @@ def make_decoder(
             vprof = CostProfile([1], [1.0])  # unprofiled: every pass costs the same
         proposer = AutoProposer(cands, vprof, [state] if state is not None else [])
     return TreeDecoder(
-        verifier, proposer, params, eos_token_ids=eos_token_ids, seed=seed, rule=rule
-    )
+        verifier, proposer, params, eos_token_ids=eos_token_ids, seed=seed, rule=rule,
+        draft_state=state,
+    )  # fmt: skip

@@ -26,7 +26,7 @@ import numpy as np
 
 from ondevice.errors import ContextLengthError
 from ondevice.speculative import accept
-from ondevice.speculative.engine import Engine
+from ondevice.speculative.engine import Engine, prefill
 from ondevice.speculative.noise import RULES, PositionNoise
 from ondevice.speculative.sampling import (
     SamplingParams,
@@ -265,7 +265,8 @@ class SpeculativeDecoder:
     def vocab(self) -> int:
         return self.verifier.vocab_size
 
-    def prefill(self, prompt: Sequence[int]) -> None:
+    def prefill(self, prompt: Sequence[int], resume: bool = False) -> None:
+        """Fill the caches with prompt[:-1]; `resume`: they already hold a prefix of it."""
         if not prompt:
             raise ValueError("the prompt is empty")
         limit = self.verifier.context_length
@@ -275,13 +276,9 @@ class SpeculativeDecoder:
                 "shorten the prompt."
             )
         t = time.perf_counter()
-        self.verifier.reset()
-        if len(prompt) > 1:
-            self.verifier.feed(prompt[:-1], last_only=True)
+        prefill(self.verifier, prompt[:-1], resume)
         if self.draft is not None:
-            self.draft.reset()
-            if len(prompt) > 1:
-                self.draft.feed(prompt[:-1], last_only=True)
+            prefill(self.draft, prompt[:-1], resume)
         self.chooser.start(prompt)
         self.time_prefill += time.perf_counter() - t
         self._draft_valid = len(prompt) - 1  # draft cache entries that match the sequence
@@ -321,9 +318,13 @@ class SpeculativeDecoder:
         self.time_verify += time.perf_counter() - t
         return n, tok
 
-    def run(self, prompt: Sequence[int], max_tokens: int) -> Iterator[Round]:
+    def run(
+        self, prompt: Sequence[int], max_tokens: int, resume: bool = False
+    ) -> Iterator[Round]:
+        """Rounds of tokens after `prompt`. resume: the engines' caches already hold a prefix
+        of the prompt (see `prefill`)."""
         seq = list(prompt)
-        self.prefill(seq)
+        self.prefill(seq, resume)
         self._t_start = time.perf_counter()
         produced = 0
         limit = self.verifier.context_length
@@ -361,6 +362,10 @@ class SpeculativeDecoder:
             yield Round(out, flags, len(drafts), n, finish, lp)
             if finish:
                 return
+
+    def draft_prefix_length(self) -> int:
+        """How many leading entries of the draft's cache hold the sequence committed so far."""
+        return min(self._draft_valid, self.draft.length) if self.draft is not None else 0
 
     def extra_stats(self) -> dict:
         """Scheduling stats in the pipelined decoder's terms (nothing overlaps here)."""

@@ -33,3 +33,18 @@ class Engine(Protocol):
     def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray: ...
 
     def trim(self, n: int) -> None: ...
+
+
+def prefill(engine: Engine, tokens: Sequence[int], resume: bool = False) -> None:
+    """Make the engine's cache hold `tokens` (their logits are not needed).
+
+    resume: the cache already holds a prefix of `tokens` (its first `length` entries, restored
+    by the prompt cache, `runtime/prefix_cache.py`); only the rest is fed. Otherwise the cache
+    starts empty."""
+    if not resume:
+        engine.reset()
+    start = engine.length
+    if start > len(tokens):
+        raise ValueError(f"the cache holds {start} tokens, more than the {len(tokens)} to prefill")
+    if len(tokens) > start:
+        engine.feed(tokens[start:], last_only=True)

@@ -105,6 +105,10 @@ class DraftState:
         if len(prompt) > 1:
             self.sync(prompt[:-1])
 
+    def resume(self, prefix: Sequence[int]) -> None:
+        """The engine's cache already holds `prefix` (restored by the prompt cache)."""
+        self.tokens, self.slots, self.last = [int(t) for t in prefix], [], None
+
     def _count(self, n: int) -> None:
         if self.pass_cost is not None:
             self.work += self.pass_cost(n)
