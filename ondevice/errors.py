@@ -23,3 +23,11 @@ class ContextLengthError(OndeviceError):
 
 class BundleError(OndeviceError):
     """A pair bundle is missing, corrupted or of an unknown format version."""
+
+
+class ConversionError(OndeviceError):
+    """A converted draft would not run as intended on the Neural Engine (lint, float16 range)."""
+
+
+class CoreMLUnavailableError(OndeviceError):
+    """Core ML cannot run the draft here (native module, compilation, load, state, prediction)."""

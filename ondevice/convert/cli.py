@@ -152,15 +152,9 @@ class Phases:
 
 def _validate(args: argparse.Namespace) -> None:
     """Option ranges the Core ML converter accepts, checked before any model is loaded."""
-    from ondevice.errors import BundleError
+    from ondevice.convert.coreml import check_options
 
-    if not 2 <= args.draft_chunk <= 512:
-        raise BundleError(f"--draft-chunk {args.draft_chunk}: use 2..512 tokens (16 is typical).")
-    if not args.draft_chunk <= args.context <= 32768:
-        raise BundleError(
-            f"--context {args.context}: use {args.draft_chunk}..32768 tokens "
-            "(at least --draft-chunk)."
-        )
+    check_options(args.context, args.draft_chunk)
 
 
 def _check_pair(verifier: Any, draft: Any, context: int) -> None:
@@ -217,6 +211,24 @@ def _describe(loaded: Any, source: str) -> dict[str, Any]:
         "config": loaded.model.config.to_hf_dict(),
         "quantization": quantization_config(loaded.model),
     }
+
+
+def _probe_prompts(tokenizer: Any, max_tokens: int = 96) -> list[list[int]]:
+    """Token ids of real prompts for the converter's float16 range probe: the first built-in
+    benchmark prompt of each category through the chat template, cut to `max_tokens` (large
+    activations show within the first tokens; the probe runs the draft in numpy)."""
+    from ondevice.bench.prompts import builtin_prompts_path, read_prompts
+
+    prompts, _ = read_prompts(builtin_prompts_path())
+    firsts = {p.category: p.text for p in reversed(prompts)}  # first of each category wins
+    out = []
+    for text in firsts.values():
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            out.append(tokenizer.encode(text, add_special_tokens=False)[:max_tokens])
+        else:
+            out.append(tokenizer.encode(text)[:max_tokens])
+    return out
 
 
 def _mb(n: int) -> str:
@@ -305,6 +317,7 @@ def convert(args: argparse.Namespace) -> int:
                 compress=args.draft_compress,
                 kv=args.draft_kv,
                 progress=_convert_progress(),
+                probe_prompts=_probe_prompts(draft.tokenizer),
             )
             del weights
         with phases("writing tokenizer"):

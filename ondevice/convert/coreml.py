@@ -30,7 +30,12 @@ Neural Engine rules followed, and where they come from:
   for embedding lookups.
 * RMSNorm without `pow`: ANEMLL's trick of normalising `concat([x, -x])` with `layer_norm` (the
   mean of that is exactly 0, so layer norm divides by the root mean square) and keeping the first
-  half. `layer_norm` is a native ANE op and avoids squaring fp16 activations ourselves.
+  half. `layer_norm` is a native ANE op. It squares its input inside, in float16 on the Neural
+  Engine, and residual streams are large (the shipped SmolLM2 draft reaches ~1,470 before its
+  final norm, Qwen2.5 ~2,180 from its third layer; 2,180^2 is 73x float16's 65,504), so each row
+  is first divided by max(1, its largest magnitude): RMSNorm is invariant to that scale up to eps
+  (whose weight grows by the scale^2, at most ~1e-3 relative for hidden sizes < 1,000 and eps
+  1e-6), and the squares stay <= 1.
 * RoPE from precomputed cos/sin tables (ANEMLL's `cos_cached` / `sin_cached`), sliced at the
   position with `slice_by_size`; the causal mask is also a slice of a precomputed table, so no
   comparison or `range` ops run per call. GGUF weights laid out for interleaved ("traditional")
@@ -66,15 +71,20 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ondevice.convert.executor import FORMAT_VERSION, METADATA_KEY
-from ondevice.errors import ModelFormatError, OndeviceError
+from ondevice.convert.executor import (
+    FORMAT_VERSION,
+    METADATA_KEY,
+    RangeReport,
+    probe_float16_range,
+)
+from ondevice.errors import ConversionError, ModelFormatError, OndeviceError
 from ondevice.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 MAX_DIM = 16384  # the Neural Engine's largest tensor dimension
@@ -85,6 +95,16 @@ KV_MODES = ("state", "io")
 KMEANS1D_MIN_WEIGHTS = 10_000  # coremltools uses kmeans1d (exact, fast) from this size on
 MAX_PALETTES = 16  # lookup tables per matrix: k-means time grows with their number
 MIN_DEPLOYMENT = "macOS15"  # states and multifunction packages need macOS 15 / iOS 18
+# Longest chunk: sequence lengths above 32 are outside what is reported to work on the ANE for
+# stateful LLM functions (github.com/Anemll/Anemll/issues/27); ANEMLL's default batch is 64 for
+# prefill only, and its KV-cache models stay at <= 32 per call.
+MAX_CHUNK = 32
+# The causal-mask table is 2 * state_len wide, the norm's concat 2 * hidden: both must fit MAX_DIM.
+MAX_CONTEXT = MAX_DIM // 2
+MAX_HIDDEN = MAX_DIM // 2
+# The float16 range probe fails a conversion above a quarter of float16's range: headroom for
+# prompts longer or stranger than the probe's.
+RANGE_LIMIT = 65504.0 / 4
 
 
 def _round_up(n: int, m: int) -> int:
@@ -136,10 +156,25 @@ def _check_config(config: ModelConfig) -> None:
             f"num_attention_heads ({config.num_attention_heads}) is not a multiple of "
             f"num_key_value_heads ({config.num_key_value_heads})."
         )
-    if config.hidden_size > MAX_DIM or config.intermediate_size > MAX_DIM:
+    if config.hidden_size > MAX_HIDDEN or config.intermediate_size > MAX_DIM:
         raise ModelFormatError(
             f"hidden_size {config.hidden_size} / intermediate_size {config.intermediate_size} "
-            f"exceed the Neural Engine's {MAX_DIM} limit; this model is too large for a draft."
+            f"exceed the Neural Engine's limits ({MAX_HIDDEN}: the norm concatenates two copies "
+            f"of the hidden state; {MAX_DIM}); this model is too large for a draft."
+        )
+
+
+def check_options(context: int, chunk: int) -> None:
+    """The context and chunk the Neural Engine takes; checked before any model is loaded."""
+    if not 2 <= chunk <= MAX_CHUNK:
+        raise OndeviceError(
+            f"chunk {chunk} is out of range; use 2..{MAX_CHUNK} tokens (16 is typical): longer "
+            "chunks are not reported to run on the Neural Engine (Anemll issue 27)."
+        )
+    if not chunk <= context <= MAX_CONTEXT:
+        raise OndeviceError(
+            f"context {context} is out of range; use {chunk}..{MAX_CONTEXT} tokens: the causal "
+            f"mask table is twice the context wide and the Neural Engine's limit is {MAX_DIM}."
         )
 
 
@@ -290,12 +325,15 @@ def _build_function(
         return np.array(v, dtype=np.int32)
 
     def rms_norm(x, weight: np.ndarray, axis: int, name: str):
-        # ANEMLL: layer_norm of [x, -x] is x / rms(x); no pow, no fp16 square of x by hand.
+        # ANEMLL: layer_norm of [x, -x] is x / rms(x); no pow. Rows are first scaled to
+        # max |x| <= 1 so layer_norm's float16 squares cannot overflow (module docstring).
         n = weight.shape[0]
         both = mb.concat(values=[x, mb.mul(x=x, y=np.float16(-1.0))], axis=axis)
+        peak = mb.reduce_max(x=both, axes=[axis], keep_dims=True)  # max |x| of each row
+        scaled = mb.real_div(x=both, y=mb.maximum(x=peak, y=np.float16(1.0)))
         gamma = np.concatenate([weight, weight]).astype(np.float16)
         normed = mb.layer_norm(
-            x=both, axes=[axis], gamma=gamma, epsilon=np.float16(dims.eps), name=name
+            x=scaled, axes=[axis], gamma=gamma, epsilon=np.float16(dims.eps), name=name
         )
         return mb.split(x=normed, split_sizes=[n, n], axis=axis)[0]
 
@@ -628,6 +666,31 @@ def _describe(dims: _Dims, context: int, chunk: int, kv: str, compress: str, cfg
     }
 
 
+def _refuse_lint_errors(package: Path) -> None:
+    from ondevice.convert.lint import check_mlpackage
+
+    errors = [f for f in check_mlpackage(package) if f.severity == "error"]
+    if errors:
+        listed = "; ".join(str(f) for f in errors[:5])
+        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+        raise ConversionError(
+            f"the converted draft breaks Neural Engine rules: {listed}{more}. Nothing was "
+            "written; choose a smaller --context/--draft-chunk or another draft."
+        )
+
+
+def _refuse_out_of_range(report: RangeReport) -> None:
+    over = report.over(RANGE_LIMIT)
+    if over:
+        worst = ", ".join(f"{n} ({t}) {v:,.0f}" for n, t, v in over[:5])
+        raise ConversionError(
+            f"float16 range probe: {len(over)} op(s) of the draft exceed {RANGE_LIMIT:,.0f} "
+            f"(a quarter of float16's 65,504) on real prompts: {worst}. On the Neural Engine "
+            "they would overflow or come close; nothing was written. This draft needs a graph "
+            "change (e.g. scaling that op's inputs) before it can run in float16."
+        )
+
+
 def convert_draft(
     config: ModelConfig,
     weights: dict[str, np.ndarray],
@@ -638,10 +701,15 @@ def convert_draft(
     compress: str = "none",
     kv: str = "state",
     progress: Callable[[str], None] | None = None,
+    probe_prompts: Sequence[Sequence[int]] | None = None,
 ) -> dict:
     """Write the draft as a multifunction `.mlpackage` at `out`; return its description.
 
     `weights`: float32 numpy arrays with Hugging Face names (`lm_head.weight` absent when tied).
+    Before the package is moved into place it must pass the Neural Engine lint
+    (`ondevice.convert.lint`) and, given `probe_prompts` (token ids of real prompts), the float16
+    range probe: no op of the reference-executed package may exceed RANGE_LIMIT on them. Either
+    failure raises ConversionError and leaves nothing at `out`.
     The description (functions with their input/output/state shapes, context, chunk, kv mode,
     compression, vocabulary, deployment target) is also stored in the package's user-defined
     metadata under "ondevice.draft", where the draft engines read it.
@@ -657,10 +725,7 @@ def convert_draft(
         )
     if kv not in KV_MODES:
         raise OndeviceError(f"unknown kv mode {kv!r}; choose one of {', '.join(KV_MODES)}.")
-    if chunk < 2 or chunk > 512:
-        raise OndeviceError(f"chunk {chunk} is out of range; use 2..512 tokens (16 is typical).")
-    if context < chunk or context > 32768:
-        raise OndeviceError(f"context {context} is out of range; use {chunk}..32768 tokens.")
+    check_options(context, chunk)
     if out.exists():
         raise OndeviceError(f"{out} already exists; remove it or choose another path.")
     _check_config(config)
@@ -720,6 +785,18 @@ def convert_draft(
         model.user_defined_metadata[METADATA_KEY] = json.dumps(description)
         final = work / "draft.mlpackage"
         model.save(str(final))
+        say("Neural Engine lint")
+        _refuse_lint_errors(final)
+        if probe_prompts:
+            say(f"float16 range probe on {len(probe_prompts)} prompts (reference executor)")
+            report = probe_float16_range(final, probe_prompts)
+            _refuse_out_of_range(report)
+            description["float16_probe"] = {
+                "tokens": report.tokens,
+                "peak": report.peak,
+                "limit": RANGE_LIMIT,
+                "largest": [[n, t, v] for n, t, v in report.peaks[:5]],
+            }
         final.rename(out)
     except OndeviceError:
         raise

@@ -18,6 +18,14 @@ products, softmax, layer norm and reductions accumulate in float32 and round the
 float16 (as the Neural Engine and GPU accumulate at higher precision), and element-wise ops
 round each result to float16.
 
+Two numerics modes (`accumulate=`): "float32" as above, and "float16", which emulates a device
+that also accumulates in float16: layer norm, softmax and reductions compute every intermediate
+(squares, sums, exponentials) in float16, and products sum blocks of `F16_BLOCK` terms exactly but
+round the running sum to float16 after each block. Comparing the two shows how much a model leans
+on wide accumulators. With `probe=True` a model records, per op, the largest magnitude of its
+outputs and of the intermediates just named (`magnitudes`): `probe_float16_range` runs a package
+on real prompts and reports how close each op comes to float16's 65,504.
+
 States behave like Core ML's `MLState`: `make_state()` allocates zeroed buffers,
 `predict(inputs, state)` reads and updates them. A `slice_update` whose input is the state
 buffer itself, with no other consumer left to run, writes in place, so a KV-cache write costs the
@@ -28,7 +36,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,6 +50,9 @@ F16, F32 = np.float16, np.float32
 METADATA_KEY = "ondevice.draft"  # user-defined metadata entry written by convert_draft
 FORMAT_VERSION = 1
 _SHARE_MIN_BYTES = 1 << 16  # constants at least this large are deduplicated across functions
+FP16_MAX = 65504.0  # the largest finite float16
+ACCUMULATIONS = ("float32", "float16")
+F16_BLOCK = 32  # products: terms summed exactly before each float16 rounding of the running sum
 
 
 class ReferenceState:
@@ -152,6 +164,34 @@ def _f16(x: np.ndarray) -> np.ndarray:
     return x.astype(F16, copy=False) if x.dtype == F32 else x
 
 
+@dataclass(frozen=True)
+class _Numerics:
+    """How one op computes: `f16` accumulates in float16; `note(value)` (probing only) records
+    the largest magnitude of an intermediate that never becomes an output (a square, a sum)."""
+
+    f16: bool = False
+    note: Callable[[float], None] | None = None
+
+    def peak(self, a: np.ndarray) -> None:
+        if self.note is not None and a.size:
+            self.note(float(np.max(np.abs(a))))
+
+
+def _f16_sum(parts: Iterable[np.ndarray], num: _Numerics) -> np.ndarray:
+    """Sum float32 partial results with a float16 running sum (rounded after every add)."""
+    acc: np.ndarray | None = None
+    with np.errstate(over="ignore", invalid="ignore"):
+        for part in parts:
+            acc = part.astype(F16) if acc is None else acc + part.astype(F16)
+            num.peak(acc)
+    assert acc is not None
+    return acc
+
+
+def _blocks(k: int) -> list[slice]:
+    return [slice(i, min(i + F16_BLOCK, k)) for i in range(0, k, F16_BLOCK)]
+
+
 def _binary(fn: Callable) -> Callable:
     def factory(c: dict, op) -> Callable:
         def run(x, y):
@@ -224,6 +264,34 @@ def _reduce(fn: Callable) -> Callable:
     return factory
 
 
+def _accumulating_reduce(mean: bool) -> Callable:
+    """reduce_sum / reduce_mean, whose sum is float16 in float16-accumulate mode."""
+
+    def factory(c: dict, op, num: _Numerics) -> Callable:
+        axes = c.pop("axes", None)
+        keep = bool(c.pop("keep_dims", False))
+        ax = None if axes is None else tuple(int(a) for a in np.atleast_1d(axes))
+
+        def run(x):
+            x = np.asarray(x)
+            if num.f16 and x.dtype == F16:
+                with np.errstate(over="ignore", invalid="ignore"):
+                    total = np.sum(x, axis=ax, keepdims=keep, dtype=F16)
+                    num.peak(total)
+                    n = x.size // max(1, total.size)
+                    return (total / F16(n)).astype(F16) if mean else total
+            xf = x.astype(F32) if x.dtype == F16 else x
+            total = np.sum(xf, axis=ax, keepdims=keep)
+            num.peak(total)
+            if mean:
+                total = total / (xf.size // max(1, np.size(total)))
+            return np.asarray(total).astype(x.dtype)
+
+        return partial(run, **c)
+
+    return factory
+
+
 def _argreduce(fn: Callable) -> Callable:
     def factory(c: dict, op) -> Callable:
         axis = int(c.pop("axis", -1))
@@ -241,7 +309,15 @@ def _argreduce(fn: Callable) -> Callable:
     return factory
 
 
-def _conv(c: dict, op, shared: _SharedConstants) -> Callable:
+def _product(a: np.ndarray, b: np.ndarray, num: _Numerics) -> np.ndarray:
+    """a @ b (2-D or batched, float32 operands holding float16 values), as the mode sums it."""
+    if not num.f16:
+        return np.matmul(a, b)
+    k = a.shape[-1]
+    return _f16_sum((np.matmul(a[..., s], b[..., s, :]) for s in _blocks(k)), num)
+
+
+def _conv(c: dict, op, shared: _SharedConstants, num: _Numerics) -> Callable:
     w = c.pop("weight", None)
     bias = c.pop("bias", None)
     groups = int(c.pop("groups", 1))
@@ -261,15 +337,18 @@ def _conv(c: dict, op, shared: _SharedConstants) -> Callable:
         xf = x.reshape(n, cin, -1).astype(F32)
         # 2-D products per batch item: numpy hands those to BLAS (a broadcast 3-D matmul it
         # does not, and runs ~100x slower).
-        out = (w2 @ xf[0])[None] if n == 1 else np.stack([w2 @ xf[i] for i in range(n)])
+        if n == 1:
+            out = _product(w2, xf[0], num)[None]
+        else:
+            out = np.stack([_product(w2, xf[i], num) for i in range(n)])
         if b is not None:
-            out += b
+            out = out + (b.astype(F16) if out.dtype == F16 else b)
         return out.astype(F16).reshape(n, w2.shape[0], *x.shape[2:])
 
     return run
 
 
-def _linear(c: dict, op, shared: _SharedConstants) -> Callable:
+def _linear(c: dict, op, shared: _SharedConstants, num: _Numerics) -> Callable:
     w = c.pop("weight", None)
     bias = c.pop("bias", None)
     if w is None:
@@ -278,15 +357,15 @@ def _linear(c: dict, op, shared: _SharedConstants) -> Callable:
     b = None if bias is None else np.asarray(bias, F32)
 
     def run(x):
-        out = np.asarray(x).astype(F32) @ wt
+        out = _product(np.asarray(x).astype(F32), wt, num)
         if b is not None:
-            out += b
+            out = out + (b.astype(F16) if out.dtype == F16 else b)
         return out.astype(F16)
 
     return run
 
 
-def _matmul(c: dict, op, shared: _SharedConstants) -> Callable:
+def _matmul(c: dict, op, shared: _SharedConstants, num: _Numerics) -> Callable:
     tx = bool(c.pop("transpose_x", False))
     ty = bool(c.pop("transpose_y", False))
 
@@ -300,25 +379,36 @@ def _matmul(c: dict, op, shared: _SharedConstants) -> Callable:
     def run(x=None, y=None):
         a = cx if x is None else prep(x, tx)
         b = cy if y is None else prep(y, ty)
-        return np.matmul(a, b).astype(F16)
+        if a.ndim < 2 or b.ndim < 2:
+            return np.matmul(a, b).astype(F16)
+        return _product(a, b, num).astype(F16)
 
     return run
 
 
-def _softmax(c: dict, op) -> Callable:
+def _softmax(c: dict, op, num: _Numerics) -> Callable:
     axis = int(c.pop("axis", -1))
 
     def run(x):
-        xf = np.asarray(x).astype(F32)
+        x = np.asarray(x)
+        if num.f16:
+            with np.errstate(over="ignore", invalid="ignore"):
+                e = np.exp(x.astype(F16) - x.max(axis=axis, keepdims=True).astype(F16))
+                total = np.sum(e, axis=axis, keepdims=True, dtype=F16)
+                num.peak(total)
+                return (e / total).astype(x.dtype)
+        xf = x.astype(F32)
         xf -= xf.max(axis=axis, keepdims=True)
         np.exp(xf, out=xf)
-        xf /= xf.sum(axis=axis, keepdims=True)
-        return xf.astype(np.asarray(x).dtype)
+        total = xf.sum(axis=axis, keepdims=True)
+        num.peak(total)
+        xf /= total
+        return xf.astype(x.dtype)
 
     return run
 
 
-def _layer_norm(c: dict, op) -> Callable:
+def _layer_norm(c: dict, op, num: _Numerics) -> Callable:
     axes = tuple(int(a) for a in np.atleast_1d(c.pop("axes")))
     gamma, beta = c.pop("gamma", None), c.pop("beta", None)
     eps = float(c.pop("epsilon", 1e-5))
@@ -333,11 +423,36 @@ def _layer_norm(c: dict, op) -> Callable:
 
     g, b = affine(gamma), affine(beta)
 
+    def run_f16(x):
+        # Every intermediate in float16, as a float16 accumulator would hold it: the squares
+        # and their sum are where large activations overflow.
+        x16 = np.asarray(x).astype(F16)
+        n = F16(np.prod([x16.shape[a] for a in norm_axes]))
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            mean = np.sum(x16, axis=norm_axes, keepdims=True, dtype=F16) / n
+            d = x16 - mean
+            sq = d * d
+            total = np.sum(sq, axis=norm_axes, keepdims=True, dtype=F16)
+            num.peak(sq)
+            num.peak(total)
+            out = d / np.sqrt(total / n + F16(eps))
+            if g is not None:
+                out = out * g.astype(F16)
+            if b is not None:
+                out = out + b.astype(F16)
+        return out.astype(np.asarray(x).dtype)
+
     def run(x):
+        if num.f16:
+            return run_f16(x)
         xf = np.asarray(x).astype(F32)
         mean = xf.mean(axis=norm_axes, keepdims=True)
         xf -= mean
-        var = np.mean(xf * xf, axis=norm_axes, keepdims=True)
+        sq = xf * xf
+        if num.note is not None:
+            num.peak(sq)
+            num.peak(sq.sum(axis=norm_axes))
+        var = np.mean(sq, axis=norm_axes, keepdims=True)
         xf /= np.sqrt(var + eps)
         if g is not None:
             xf *= g
@@ -598,8 +713,6 @@ _FACTORIES: dict[str, Callable] = {
     "inverse": lambda c, op: _unary(lambda x: 1.0 / (x + float(c.pop("epsilon", 1e-4))))(c, op),
     "erf": _unary(_erf),
     "gelu": _gelu,
-    "reduce_sum": _reduce(np.sum),
-    "reduce_mean": _reduce(np.mean),
     "reduce_max": _reduce(np.max),
     "reduce_min": _reduce(np.min),
     "reduce_prod": _reduce(np.prod),
@@ -611,8 +724,6 @@ _FACTORIES: dict[str, Callable] = {
     ),
     "reduce_argmax": _argreduce(np.argmax),
     "reduce_argmin": _argreduce(np.argmin),
-    "softmax": _softmax,
-    "layer_norm": _layer_norm,
     "reshape": _reshape,
     "transpose": _transpose,
     "expand_dims": _expand_dims,
@@ -634,6 +745,13 @@ _FACTORIES: dict[str, Callable] = {
     "band_part": _band_part,
 }
 _WEIGHT_FACTORIES = {"conv": _conv, "linear": _linear, "matmul": _matmul}
+# Ops whose arithmetic depends on the accumulation mode (and which note intermediates).
+_ACCUMULATING_FACTORIES: dict[str, Callable] = {
+    "softmax": _softmax,
+    "layer_norm": _layer_norm,
+    "reduce_sum": _accumulating_reduce(mean=False),
+    "reduce_mean": _accumulating_reduce(mean=True),
+}
 _STATE_OPS = ("read_state", "coreml_update_state", "slice_update")
 # Ops whose numpy result may share memory with their input (so the input must not be mutated
 # in place while the result is still to be read).
@@ -678,11 +796,28 @@ class ReferenceModel:
     """A function of a saved ML Program, run in numpy; `MLModel`'s interface for what we use.
 
     `predict(inputs, state=None)` returns a dict of numpy arrays (float16 outputs stay float16);
-    `make_state()` returns fresh zeroed state buffers.
+    `make_state()` returns fresh zeroed state buffers. `accumulate` is "float32" (Core ML's
+    documented numerics) or "float16" (the emulated worst case); with `probe=True`,
+    `magnitudes` maps each op's name to (op type, largest magnitude seen in its outputs and
+    intermediates) over every call so far.
     """
 
-    def __init__(self, path: str | Path, function_name: str | None = None, *, _loaded=None):
+    def __init__(
+        self,
+        path: str | Path,
+        function_name: str | None = None,
+        *,
+        accumulate: str = "float32",
+        probe: bool = False,
+        _loaded=None,
+    ):
+        if accumulate not in ACCUMULATIONS:
+            raise OndeviceError(
+                f"unknown accumulation {accumulate!r}; choose one of {', '.join(ACCUMULATIONS)}."
+            )
         self.path = Path(path)
+        self.accumulate = accumulate
+        self.magnitudes: dict[str, tuple[str, float]] | None = {} if probe else None
         spec, prog = _loaded[:2] if _loaded is not None else _load_program(self.path)
         shared = _loaded[2] if _loaded is not None else _SharedConstants()
         name = function_name or spec.description.defaultFunctionName or "main"
@@ -697,13 +832,14 @@ class ReferenceModel:
 
     @classmethod
     def load_functions(
-        cls, path: str | Path, function_names: Sequence[str]
+        cls, path: str | Path, function_names: Sequence[str], **options: Any
     ) -> dict[str, ReferenceModel]:
-        """Several functions of one package, loading it once and sharing their weights."""
+        """Several functions of one package, loading it once and sharing their weights;
+        `options` are the constructor's (`accumulate`, `probe`)."""
         path = Path(path)
         spec, prog = _load_program(path)
         shared = _SharedConstants()
-        return {n: cls(path, n, _loaded=(spec, prog, shared)) for n in function_names}
+        return {n: cls(path, n, _loaded=(spec, prog, shared), **options) for n in function_names}
 
     # -- compilation -------------------------------------------------------------------------
 
@@ -735,6 +871,7 @@ class ReferenceModel:
         ops = list(func.operations)
         order = {op: i for i, op in enumerate(ops)}
         steps: list[tuple[Callable, list[tuple[str, Any]], list[int]]] = []
+        step_ops: list[tuple[str, str]] = []
         for op in ops:
             if op.blocks:
                 raise self._unsupported(op.op_type, "control flow is not supported")
@@ -781,7 +918,9 @@ class ReferenceModel:
                     consts[var.name] = shared.array(val)
                 continue
             steps.append((run, dynamic, [new_slot(v.name) for v in outs]))
+            step_ops.append((op.name, op.op_type))
 
+        self._step_ops = step_ops
         self._consts = consts
         self._slots = slots
         self._steps = steps
@@ -805,10 +944,20 @@ class ReferenceModel:
             "draft with ondevice-convert, or run it with Core ML on macOS."
         )
 
+    def _record(self, name: str, op_type: str, value: float) -> None:
+        assert self.magnitudes is not None
+        old = self.magnitudes.get(name)
+        if old is None or not value <= old[1]:  # NaN counts as the worst
+            self.magnitudes[name] = (op_type, value)
+
     def _kernel(self, op, static: dict, shared: _SharedConstants, order: dict) -> Callable:
         t = op.op_type
+        note = None if self.magnitudes is None else partial(self._record, op.name, t)
+        num = _Numerics(f16=self.accumulate == "float16", note=note)
         if t in _WEIGHT_FACTORIES:
-            return _WEIGHT_FACTORIES[t](static, op, shared)
+            return _WEIGHT_FACTORIES[t](static, op, shared, num)
+        if t in _ACCUMULATING_FACTORIES:
+            return _ACCUMULATING_FACTORIES[t](static, op, num)
         if t in _FACTORIES:
             return _FACTORIES[t](static, op)
         if t == "read_state":
@@ -870,7 +1019,7 @@ class ReferenceModel:
                 )
             for name, slot in self._state_slots:
                 env[slot] = state.buffers[name]
-        for run, dynamic, outs in self._steps:
+        for i, (run, dynamic, outs) in enumerate(self._steps):
             kwargs = {}
             for key, src in dynamic:
                 if isinstance(src, int):
@@ -883,10 +1032,20 @@ class ReferenceModel:
             else:
                 for slot, val in zip(outs, result):
                     env[slot] = val
+            if self.magnitudes is not None:
+                self._probe_outputs(i, [env[slot] for slot in outs])
         return {
             name: np.asarray(val if kind == "c" else env[val]).astype(dtype)  # always a copy
             for name, (kind, val), dtype in self._outputs
         }
+
+
+    def _probe_outputs(self, step: int, values: list[Any]) -> None:
+        name, op_type = self._step_ops[step]
+        for v in values:
+            v = np.asarray(v)
+            if v.dtype.kind == "f" and v.size:
+                self._record(name, op_type, float(np.max(np.abs(v))))
 
 
 def _const_value(val: Any) -> Any:
@@ -923,3 +1082,84 @@ def read_description(path: str | Path) -> dict:
             f"(this ondevice reads version {FORMAT_VERSION}); convert the draft again."
         )
     return meta
+
+
+# -- float16 range probe ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RangeReport:
+    """Largest magnitudes per op over a probe run, largest first."""
+
+    peaks: list[tuple[str, str, float]]  # (op name, op type, largest magnitude)
+    tokens: int  # tokens the probe fed
+
+    @property
+    def peak(self) -> float:
+        return self.peaks[0][2] if self.peaks else 0.0
+
+    def over(self, limit: float) -> list[tuple[str, str, float]]:
+        return [p for p in self.peaks if not p[2] <= limit]  # NaN and inf count as over
+
+    def describe(self, n: int = 5) -> str:
+        return ", ".join(f"{name} ({op_type}) {value:,.0f}" for name, op_type, value in self.peaks[:n])
+
+
+def probe_float16_range(
+    path: str | Path,
+    prompts: Sequence[Sequence[int]],
+    *,
+    decode_steps: int = 8,
+    accumulate: str = "float32",
+) -> RangeReport:
+    """Run a converted draft on `prompts` (token ids: prefill through `chunk`, then
+    `decode_steps` greedy steps through `decode`) and report each op's largest magnitude,
+    intermediates included: what the device's float16 must hold for these inputs."""
+    meta = read_description(path)
+    models = ReferenceModel.load_functions(
+        path, ["decode", "chunk"], accumulate=accumulate, probe=True
+    )
+    chunk, names, context = int(meta["chunk"]), list(meta["logits"]), int(meta["context"])
+    shape = tuple(meta["kv_cache"]["shape"])
+    fed = 0
+    for prompt in prompts:
+        ids = [int(t) for t in prompt][: max(1, context - decode_steps)]
+        state = models["decode"].make_state() if meta["kv"] == "state" else None
+        caches = {"key_cache": np.zeros(shape, F16), "value_cache": np.zeros(shape, F16)}
+
+        def call(function: str, tokens: list[int], pos: int, state=state, caches=caches):
+            inputs: dict[str, Any] = {
+                "input_ids": np.array([tokens], np.int32),
+                "position": np.array([pos], np.int32),
+            }
+            if state is None:
+                inputs.update(caches)
+            out = models[function].predict(inputs, state)
+            if state is None:
+                end = pos + len(tokens)
+                caches["key_cache"][:, :, pos:end] = out["new_keys"]
+                caches["value_cache"][:, :, pos:end] = out["new_values"]
+            return np.concatenate([np.asarray(out[n], F32)[0, -1] for n in names])
+
+        pos = 0
+        while len(ids) - pos >= chunk:
+            logits = call("chunk", ids[pos : pos + chunk], pos)
+            pos += chunk
+        while pos < len(ids):
+            logits = call("decode", ids[pos : pos + 1], pos)
+            pos += 1
+        for _ in range(min(decode_steps, context - pos)):
+            logits = call("decode", [int(np.argmax(logits))], pos)
+            pos += 1
+        fed += pos
+    merged: dict[str, tuple[str, float]] = {}
+    for model in models.values():
+        assert model.magnitudes is not None
+        for name, (op_type, value) in model.magnitudes.items():
+            if name not in merged or not value <= merged[name][1]:
+                merged[name] = (op_type, value)
+    peaks = sorted(
+        ((n, t, v) for n, (t, v) in merged.items()),
+        key=lambda p: -np.inf if np.isnan(p[2]) else -p[2],  # NaN first, then inf, then values
+    )
+    return RangeReport(peaks=peaks, tokens=fed)

@@ -1,32 +1,48 @@
 """Neural Engine lint for a saved ML Program: what would keep (part of) it off the ANE.
 
-Rules, from Apple's ml-ane-transformers article ("Deploying Transformers on the Apple Neural
-Engine") and ANEMLL's conversion notes:
+`ondevice-convert` runs `check_mlpackage` on every draft it writes and refuses one with errors.
+The rules, each with where it comes from:
 
-* error: a dynamic (symbolic) shape anywhere: the ANE compiles fixed shapes only;
-* error: a tensor dimension above 16384 (the ANE's limit; ANEMLL splits LM heads for it), except
-  a constant table read only by `gather` (an embedding lookup, which runs on the CPU anyway: the
-  ml-ane-transformers README reports exactly those ops on the CPU);
-* error: a floating-point tensor that is not float16: the ANE computes in float16, so float32
-  tensors send their ops to the CPU or GPU;
-* warning: ops outside the list of ops known to run on the ANE; integer index arithmetic on a
-  handful of values (position offsets) is reported once per function, as it is expected on the
-  CPU and costs microseconds.
+* error: a dynamic (symbolic) shape anywhere: the ANE compiles fixed shapes only (Apple,
+  "Deploying Transformers on the Apple Neural Engine", 2022; ANEMLL exports one fixed-shape
+  function per sequence length);
+* error: a tensor of rank above 4: the ANE's native layout is 4-D (B, C, H, W) (same article,
+  principle 1; "ANE Empirical Laws", alvaro-videla.com/ane-book, law 1);
+* error: a tensor dimension above 16384, constant tables and concat outputs included (the ANE
+  validator rejects width/height above 16384: ane-guide.readthedocs.io, "Model-design rules";
+  ANEMLL splits LM heads for it), except a constant table read only by `gather`, which is on the
+  CPU allowlist below;
+* error: a floating-point tensor that is not float16: the ANE datapath is float16 (same guide,
+  "Dtype rule"), so float32 tensors send their ops to the CPU or GPU;
+* error: a state whose last two dimensions are not multiples of 32 (the stateful KV-cache layout
+  of Apple's "On Device Llama 3.1 with Core ML" and ANEMLL pads the sequence and head axes so);
+* error: a function taking more than 32 tokens per call: longer chunks are outside what is
+  reported to work for stateful LLM functions (github.com/Anemll/Anemll/issues/27);
+* error: an op neither in ANE_OPS (ops that ml-ane-transformers and ANEMLL models run on the ANE,
+  per their Xcode performance reports) nor on CPU_ALLOWLIST: the embedding `gather` (the
+  ml-ane-transformers README reports embedding lookups on the CPU) and integer arithmetic on a
+  handful of position indices (reported once per function as a warning; it costs microseconds).
 
 `list_ops(path)` counts op types per function; `compute_plan(path)` (macOS only) asks Core ML's
-`MLComputePlan` where each op will actually run.
+`MLComputePlan` where each function's ops will actually run, one plan per function.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MAX_DIM = 16384
+MAX_RANK = 4
+MAX_TOKENS = 32  # per call of a function (input_ids length)
+STATE_ALIGN = 32
 SMALL_INDEX_TENSOR = 64  # integer tensors up to this size are position/index bookkeeping
-
 # Ops that Core ML runs on the Neural Engine in float16 (the op set of ml-ane-transformers and
 # ANEMLL models, whose Xcode performance reports show them on the ANE).
 ANE_OPS = frozenset(
@@ -66,6 +82,10 @@ ANE_OPS = frozenset(
         "coreml_update_state",
     }
 )
+# The explicit CPU allowlist: `gather` only on an embedding table, and these ops only on small
+# integer tensors (position arithmetic; `cast`/`greater_equal`/`select` are coremltools' int16
+# gather-index guard).
+CPU_INDEX_OPS = frozenset({"add", "sub", "concat", "cast", "greater_equal", "select"})
 # Ops that only produce constants (weights, decompressed weights): no runtime placement.
 CONST_PREFIXES = ("const", "constexpr_")
 
@@ -114,88 +134,39 @@ def _embedding_table(var) -> bool:
 
 
 def check_mlpackage(path: str | Path) -> list[Finding]:
-    """Constructs that keep ops of the package off the Neural Engine."""
+    """Constructs that keep ops of the package off the Neural Engine (rules: module docstring)."""
     from coremltools.converters.mil.mil import types
 
     findings: list[Finding] = []
     prog = _program(path)
     for fname, func in sorted(prog.functions.items()):
-        for name, var in func.inputs.items():
-            sym = var.sym_type.wrapped_type() if types.is_state(var.sym_type) else var.sym_type
-            shape = var.shape
-            if any(not isinstance(d, int) for d in shape):
-                findings.append(Finding("error", fname, "input", name, f"dynamic shape {shape}"))
-            if types.is_tensor(sym) and sym.get_primitive() in (types.fp32, types.fp64):
-                findings.append(
-                    Finding("error", fname, "input", name, "float32 input; use float16")
-                )
+        findings += _check_inputs(fname, func, types)
         index_ops: Counter = Counter()
         other_ops: Counter = Counter()
         for op in func.operations:
             const = _is_const_op(op)
             for var in op.outputs:
-                if not types.is_tensor(var.sym_type):
-                    continue
-                shape = var.shape
-                if any(not isinstance(d, int) for d in shape):
-                    findings.append(
-                        Finding("error", fname, op.op_type, var.name, f"dynamic shape {shape}")
-                    )
-                    continue
-                big = [d for d in shape if d > MAX_DIM]
-                if big:
-                    if const and _embedding_table(var):
-                        if not any(c.op_type == "gather" for c in var.child_ops):
-                            continue  # a compressed part of the table: reported with the table
-                        findings.append(
-                            Finding(
-                                "warning",
-                                fname,
-                                op.op_type,
-                                var.name,
-                                f"embedding table {tuple(shape)} exceeds {MAX_DIM}: the lookup "
-                                "runs on the CPU (as in ml-ane-transformers)",
-                            )
-                        )
-                    else:
-                        findings.append(
-                            Finding(
-                                "error",
-                                fname,
-                                op.op_type,
-                                var.name,
-                                f"dimension {max(big)} exceeds the Neural Engine limit {MAX_DIM} "
-                                f"(shape {tuple(shape)}); split it",
-                            )
-                        )
-                if var.dtype in (types.fp32, types.fp64) and not const:
-                    findings.append(
-                        Finding(
-                            "error",
-                            fname,
-                            op.op_type,
-                            var.name,
-                            "float32 tensor; the Neural Engine computes in float16",
-                        )
-                    )
+                if types.is_tensor(var.sym_type):
+                    findings += _check_tensor(fname, op, var, const, types)
             if const:
                 continue
-            if op.op_type in ANE_OPS and not _all_small_int(op, types):
+            small_int = _all_small_int(op, types)
+            if op.op_type in ANE_OPS and not small_int:
                 continue
-            if _all_small_int(op, types):
+            if small_int and op.op_type in CPU_INDEX_OPS:
                 index_ops[op.op_type] += 1
-            elif op.op_type == "gather":
+            elif op.op_type == "gather" and _embedding_table(op.inputs["x"]):
                 continue  # the embedding lookup, reported with its table
             else:
                 other_ops[op.op_type] += 1
         for op_type, n in sorted(other_ops.items()):
             findings.append(
                 Finding(
-                    "warning",
+                    "error",
                     fname,
                     op_type,
                     None,
-                    f"{n} op(s) not in the Neural Engine op list; Core ML may run them elsewhere",
+                    f"{n} op(s) neither in the Neural Engine op list nor on the CPU allowlist",
                 )
             )
         if index_ops:
@@ -213,6 +184,101 @@ def check_mlpackage(path: str | Path) -> list[Finding]:
     return findings
 
 
+def _check_inputs(fname: str, func, types) -> list[Finding]:
+    found: list[Finding] = []
+    for name, var in func.inputs.items():
+        state = types.is_state(var.sym_type)
+        sym = var.sym_type.wrapped_type() if state else var.sym_type
+        shape = var.shape
+        if types.is_tensor(sym) and sym.get_primitive() in (types.fp32, types.fp64):
+            found.append(Finding("error", fname, "input", name, "float32 input; use float16"))
+        if any(not isinstance(d, int) for d in shape):
+            found.append(Finding("error", fname, "input", name, f"dynamic shape {shape}"))
+            continue
+        if len(shape) > MAX_RANK:
+            found.append(
+                Finding("error", fname, "input", name, f"rank {len(shape)} > {MAX_RANK}")
+            )
+        if state and any(d % STATE_ALIGN for d in shape[-2:]):
+            found.append(
+                Finding(
+                    "error",
+                    fname,
+                    "state",
+                    name,
+                    f"state shape {tuple(shape)}: its last two dimensions must be multiples "
+                    f"of {STATE_ALIGN}",
+                )
+            )
+        if name == "input_ids" and len(shape) == 2 and shape[-1] > MAX_TOKENS:
+            found.append(
+                Finding(
+                    "error",
+                    fname,
+                    "input",
+                    name,
+                    f"{shape[-1]} tokens per call; at most {MAX_TOKENS} are reported to work",
+                )
+            )
+    return found
+
+
+def _check_tensor(fname: str, op, var, const: bool, types) -> list[Finding]:
+    shape = var.shape
+    if any(not isinstance(d, int) for d in shape):
+        return [Finding("error", fname, op.op_type, var.name, f"dynamic shape {shape}")]
+    found: list[Finding] = []
+    table = const and _embedding_table(var)
+    # Rank: compressed-weight parts (a palettized weight's rank-6 lookup table) are unpacked at
+    # load time, so only tensors that flow at run time count.
+    if len(shape) > MAX_RANK and not const:
+        found.append(
+            Finding(
+                "error",
+                fname,
+                op.op_type,
+                var.name,
+                f"rank {len(shape)} tensor {tuple(shape)}; the Neural Engine takes rank <= "
+                f"{MAX_RANK}",
+            )
+        )
+    big = [d for d in shape if d > MAX_DIM]
+    if big and table:
+        if any(c.op_type == "gather" for c in var.child_ops):  # else a compressed part of it
+            found.append(
+                Finding(
+                    "warning",
+                    fname,
+                    op.op_type,
+                    var.name,
+                    f"embedding table {tuple(shape)} exceeds {MAX_DIM}: the lookup runs on the "
+                    "CPU (as in ml-ane-transformers)",
+                )
+            )
+    elif big:
+        found.append(
+            Finding(
+                "error",
+                fname,
+                op.op_type,
+                var.name,
+                f"dimension {max(big)} exceeds the Neural Engine limit {MAX_DIM} "
+                f"(shape {tuple(shape)}); split it",
+            )
+        )
+    if var.dtype in (types.fp32, types.fp64) and not const:
+        found.append(
+            Finding(
+                "error",
+                fname,
+                op.op_type,
+                var.name,
+                "float32 tensor; the Neural Engine computes in float16",
+            )
+        )
+    return found
+
+
 def _all_small_int(op, types) -> bool:
     """True if every output is a small integer/bool tensor (index bookkeeping)."""
     for var in op.outputs:
@@ -228,46 +294,89 @@ def _all_small_int(op, types) -> bool:
     return True
 
 
-def compute_plan(path: str | Path) -> dict[str, str]:
-    """Where Core ML plans to run each function's ops (macOS only): device -> op count, cost share.
+@dataclass(frozen=True)
+class Placement:
+    """Where Core ML plans to run one function: ops and estimated cost share per device."""
 
-    Uses `coremltools.models.compute_plan.MLComputePlan` on the compiled model, with the compute
-    units the draft engine uses (CPU and Neural Engine).
+    ops: dict[str, Counter]  # device -> op type counts
+    cost: dict[str, float]  # device -> share of the function's estimated cost (sums to 1)
+
+    def share(self, device: str) -> float:
+        return self.cost.get(device, 0.0)
+
+    def __str__(self) -> str:
+        parts = []
+        for device, counts in sorted(self.ops.items(), key=lambda kv: -sum(kv[1].values())):
+            top = ", ".join(f"{t} x{k}" for t, k in counts.most_common(6))
+            parts.append(
+                f"{device} {sum(counts.values())} ops ({100 * self.share(device):.0f}% of cost: "
+                f"{top})"
+            )
+        return "; ".join(parts)
+
+
+def compute_plan(
+    path: str | Path, *, load_plan: Callable[[Path], Any] | None = None
+) -> dict[str, Placement]:
+    """Where Core ML plans to run each function's ops (macOS only): one `Placement` per function.
+
+    `MLComputePlan` plans only a model's default function (coremltools' `load_from_path` has no
+    function argument; the other functions' ops come back without a device), so each function
+    gets its own plan: a copy of the package whose default function is that one, compiled and
+    planned with the compute units the draft engine uses (CPU and Neural Engine). `load_plan`
+    (compiled-model path -> plan) replaces coremltools' for tests.
     """
-    if sys.platform != "darwin":
-        raise RuntimeError("MLComputePlan needs macOS.")
+    if load_plan is None:
+        if sys.platform != "darwin":
+            raise RuntimeError("MLComputePlan needs macOS.")
+        load_plan = _load_compute_plan
+    from coremltools.models.utils import compile_model
+
+    names = sorted(_program(path).functions)
+    plans: dict[str, Placement] = {}
+    with tempfile.TemporaryDirectory(prefix="ondevice-plan-") as tmp:
+        for fname in names:
+            package = _with_default_function(Path(path), fname, Path(tmp) / f"{fname}.mlpackage")
+            compiled = Path(compile_model(str(package), str(Path(tmp) / f"{fname}.mlmodelc")))
+            plans[fname] = _placement(load_plan(compiled), fname)
+            shutil.rmtree(package, ignore_errors=True)
+    return plans
+
+
+def _load_compute_plan(compiled: Path) -> Any:
     import coremltools as ct
     from coremltools.models.compute_plan import MLComputePlan
 
-    compiled = ct.models.MLModel(
-        str(path), compute_units=ct.ComputeUnit.CPU_AND_NE
-    ).get_compiled_path()
-    plan = MLComputePlan.load_from_path(compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
+    return MLComputePlan.load_from_path(str(compiled), compute_units=ct.ComputeUnit.CPU_AND_NE)
+
+
+def _with_default_function(package: Path, function: str, out: Path) -> Path:
+    """A copy of `package` whose default function is `function` (weights copied as they are)."""
+    from coremltools.models.utils import _try_get_weights_dir_path, load_spec, save_spec
+
+    spec = load_spec(str(package))
+    spec.description.defaultFunctionName = function
+    save_spec(spec, str(out), weights_dir=_try_get_weights_dir_path(str(package)))
+    return out
+
+
+def _placement(plan: Any, function: str) -> Placement:
     program = plan.model_structure.program
     if program is None:
-        raise RuntimeError(f"{path} is not an ML Program.")
-    lines: dict[str, str] = {}
-    for fname, function in program.functions.items():
-        count: Counter = Counter()
-        cost: Counter = Counter()
-        where: dict[str, Counter] = {}
-        for op in function.block.operations:
-            if op.operator_name.startswith(CONST_PREFIXES):
-                continue
-            usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
-            device = "unknown" if usage is None else _device_name(usage.preferred_compute_device)
-            count[device] += 1
-            where.setdefault(device, Counter())[op.operator_name] += 1
-            estimate = plan.get_estimated_cost_for_mlprogram_operation(op)
-            if estimate is not None:
-                cost[device] += estimate.weight
-        total = sum(cost.values()) or 1.0
-        parts = []
-        for device, n in count.most_common():
-            ops = ", ".join(f"{t} x{k}" for t, k in where[device].most_common(6))
-            parts.append(f"{device} {n} ops ({100 * cost[device] / total:.0f}% of cost: {ops})")
-        lines[fname] = "; ".join(parts)
-    return lines
+        raise RuntimeError("not an ML Program.")
+    ops: dict[str, Counter] = {}
+    cost: Counter = Counter()
+    for op in program.functions[function].block.operations:
+        if op.operator_name.startswith(CONST_PREFIXES):
+            continue
+        usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
+        device = "unknown" if usage is None else _device_name(usage.preferred_compute_device)
+        ops.setdefault(device, Counter())[op.operator_name] += 1
+        estimate = plan.get_estimated_cost_for_mlprogram_operation(op)
+        if estimate is not None:
+            cost[device] += estimate.weight
+    total = sum(cost.values())
+    return Placement(ops=ops, cost={d: c / total for d, c in cost.items()} if total else {})
 
 
 def _device_name(device) -> str:

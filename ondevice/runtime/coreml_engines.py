@@ -10,17 +10,30 @@ next feed. Runs of tokens go through the `chunk` function (padded to its fixed l
 lands beyond the last real token, so it is overwritten before anything can attend to it), single
 tokens through `decode`. With kv="io" the engine keeps the cache arrays itself and stores the new
 rows each function returns.
+
+Every `predict` gets the same input arrays, owned by the engine and filled in place: Core ML may
+release an input on a background queue after the call returns (coremltools PRs #2827/#2829 report
+SIGSEGV on macOS 26.6+ when that input was a temporary), so inputs must outlive every call.
+
+The Core ML engine proves itself at start: the package is compiled once (cached under the ondevice
+cache), each function loaded from the compiled model, the state made and a first prediction run
+and checked for finite logits. Any failure raises CoreMLUnavailableError, on which
+`make_draft_engine("auto")` falls back to the bundle's MLX draft.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import os
+import platform
+import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ondevice.errors import ContextLengthError, OndeviceError
+from ondevice.errors import ContextLengthError, CoreMLUnavailableError, OndeviceError
 
 FUNCTIONS = ("decode", "chunk")
 
@@ -47,14 +60,27 @@ class _PackageDraftEngine:
         self._pos = 0
         if self.kv == "state":
             # One state shared by both functions: they declare the same KV-cache states.
-            self._state = self.models["decode"].make_state()
+            self._state = self._make_state()
         else:
             shape = tuple(meta["kv_cache"]["shape"])
             self._keys = np.zeros(shape, np.float16)
             self._values = np.zeros(shape, np.float16)
+        # The engine's own input buffers, one set per function, refilled for every call.
+        self._inputs: dict[str, dict[str, np.ndarray]] = {}
+        for function, tokens in (("decode", 1), ("chunk", self.chunk)):
+            buffers = {
+                "input_ids": np.zeros((1, tokens), np.int32),
+                "position": np.zeros((1,), np.int32),
+            }
+            if self.kv != "state":
+                buffers["key_cache"], buffers["value_cache"] = self._keys, self._values
+            self._inputs[function] = buffers
 
     def _load_functions(self, path: Path, names: Sequence[str]) -> dict[str, Any]:
         raise NotImplementedError
+
+    def _make_state(self) -> Any:
+        return self.models["decode"].make_state()
 
     @property
     def length(self) -> int:
@@ -128,14 +154,12 @@ class _PackageDraftEngine:
         return logits[-1] if last_only else logits
 
     def _run(self, function: str, ids: list[int], real: int) -> dict[str, np.ndarray]:
-        inputs: dict[str, np.ndarray] = {
-            "input_ids": np.array([ids], dtype=np.int32),
-            "position": np.array([self._pos], dtype=np.int32),
-        }
+        inputs = self._inputs[function]
+        inputs["input_ids"][0, :] = ids
+        inputs["position"][0] = self._pos
         model = self.models[function]
         if self.kv == "state":
             return model.predict(inputs, state=self._state)
-        inputs["key_cache"], inputs["value_cache"] = self._keys, self._values
         out = model.predict(inputs)
         end = self._pos + real
         self._keys[:, :, self._pos : end] = out["new_keys"][:, :, :real]
@@ -152,23 +176,111 @@ class ReferenceDraftEngine(_PackageDraftEngine):
 
     name = "reference"
 
+    def __init__(self, mlpackage: str | Path, *, accumulate: str = "float32", probe: bool = False):
+        """`accumulate` and `probe`: the executor's numerics mode and range probe."""
+        self._options = {"accumulate": accumulate, "probe": probe}
+        super().__init__(mlpackage)
+
     def _load_functions(self, path: Path, names: Sequence[str]) -> dict[str, Any]:
         from ondevice.convert.executor import ReferenceModel
 
-        return ReferenceModel.load_functions(path, names)
+        return ReferenceModel.load_functions(path, names, **self._options)
 
 
 class CoreMLDraftEngine(_PackageDraftEngine):
-    """The draft package run by Core ML on the Neural Engine (macOS 15 or newer)."""
+    """The draft package run by Core ML on the Neural Engine (macOS 15 or newer).
+
+    Raises CoreMLUnavailableError, naming the step, when coremltools' native module is missing or
+    compiling, loading, making the state or the first prediction fails.
+    """
 
     name = "coreml"
+
+    def __init__(self, mlpackage: str | Path):
+        try:
+            import coremltools.libcoremlpython  # noqa: F401  (prediction lives there)
+        except ImportError as e:
+            raise CoreMLUnavailableError(
+                f"coremltools' native module is missing ({e}): {native_module_hint()}"
+            ) from None
+        super().__init__(mlpackage)
+        self._step("first prediction", self._first_prediction)
+
+    @staticmethod
+    def _step(what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except OndeviceError:
+            raise
+        except Exception as e:  # coremltools raises bare Exception/RuntimeError/ValueError here
+            raise CoreMLUnavailableError(
+                f"Core ML {what} failed ({type(e).__name__}: {e})"
+            ) from None
 
     def _load_functions(self, path: Path, names: Sequence[str]) -> dict[str, Any]:
         import coremltools as ct
 
-        return {
-            n: ct.models.MLModel(
-                str(path), compute_units=ct.ComputeUnit.CPU_AND_NE, function_name=n
+        compiled = self._step("compilation", lambda: compiled_model(path))
+
+        def load() -> dict[str, Any]:
+            return {
+                n: ct.models.CompiledMLModel(
+                    str(compiled), compute_units=ct.ComputeUnit.CPU_AND_NE, function_name=n
+                )
+                for n in names
+            }
+
+        return self._step("load", load)
+
+    def _make_state(self) -> Any:
+        return self._step("make_state", super()._make_state)
+
+    def _first_prediction(self) -> None:
+        out = self._run("decode", [0], 1)  # writes slot 0: masked, then overwritten
+        if not np.isfinite(self._logits(out, slice(0, 1))).all():
+            raise CoreMLUnavailableError(
+                "Core ML first prediction returned non-finite logits (float16 overflow on the "
+                "Neural Engine?)"
             )
-            for n in names
-        }
+
+
+def native_module_hint() -> str:
+    return (
+        f"coremltools has no native build for Python {platform.python_version()} here; use "
+        "Python 3.10-3.13 (e.g. `brew install python@3.12` or `uv python install 3.12`) and "
+        "reinstall ondevice in a virtualenv made with it."
+    )
+
+
+def compiled_model(package: Path) -> Path:
+    """The package compiled to `.mlmodelc` once: cached under the ondevice cache, keyed by the
+    package's path, its files (small ones by content: coremltools rewrites Manifest.json
+    unchanged whenever it opens a package; weights by size and mtime) and the OS version, and
+    written atomically."""
+    from coremltools.models.utils import compile_model
+
+    from ondevice.models.hub import cache_dir
+
+    package = Path(package).resolve()
+    key = hashlib.sha256(f"{package}|{platform.mac_ver()[0]}".encode())
+    for f in sorted(package.rglob("*")):
+        if f.is_file():
+            st = f.stat()
+            stamp = f.read_bytes() if st.st_size < 1 << 20 else f"{st.st_mtime_ns}".encode()
+            key.update(f"{f.relative_to(package)}|{st.st_size}|".encode() + stamp)
+    root = cache_dir() / "compiled"
+    final = root / f"{key.hexdigest()[:24]}.mlmodelc"
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{os.getpid()}-{final.name}"  # compile_model wants the .mlmodelc suffix
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        built = Path(compile_model(str(package), str(tmp)))
+        os.replace(built, final)
+    except OSError:
+        if not final.is_dir():  # another process may have won the race
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -92,17 +92,53 @@ class TimedEngine:
 DRAFT_BACKENDS = ("auto", "coreml", "reference", "mlx")
 
 
-def coreml_available() -> bool:
-    """True where Core ML prediction runs: macOS 15 or newer with coremltools' native module."""
+def coreml_status() -> str | None:
+    """None where Core ML prediction runs (macOS 15+ with coremltools' native module), else
+    why not, in a sentence."""
+    import importlib
     import platform
 
     if platform.system() != "Darwin":
-        return False
+        return f"Core ML prediction needs macOS ({platform.system()} here)"
+    version = platform.mac_ver()[0]
     try:
-        major = int(platform.mac_ver()[0].split(".")[0])
+        major = int(version.split(".")[0])
     except ValueError:
-        return False
-    return major >= 15
+        return f"unknown macOS version {version!r}"
+    if major < 15:
+        return f"macOS {version}: Core ML drafts (states, multifunction) need macOS 15 or newer"
+    try:
+        importlib.import_module("coremltools.libcoremlpython")
+    except ImportError as e:
+        from ondevice.runtime.coreml_engines import native_module_hint
+
+        return f"coremltools' native module is missing ({e}): {native_module_hint()}"
+    return None
+
+
+def coreml_available() -> bool:
+    """True where Core ML prediction runs: macOS 15 or newer with coremltools' native module."""
+    return coreml_status() is None
+
+
+FALLBACK_RECORD = "coreml-fallback.json"  # in the cache dir: the last fallback, for `doctor`
+
+
+def _fall_back(reason: str, to: str, mlpackage: Path) -> None:
+    """One line on stderr, and a note `ondevice doctor` reports."""
+    import json
+    import sys
+
+    from ondevice.models.hub import cache_dir
+
+    print(f"ondevice: Core ML draft unavailable ({reason}); using the {to} draft.", file=sys.stderr)
+    try:
+        root = cache_dir()
+        root.mkdir(parents=True, exist_ok=True)
+        record = {"reason": reason, "fallback": to, "package": str(mlpackage), "time": time.time()}
+        (root / FALLBACK_RECORD).write_text(json.dumps(record))
+    except OSError:
+        pass  # a read-only cache must not stop generation
 
 
 def make_draft_engine(
@@ -112,19 +148,39 @@ def make_draft_engine(
     mlpackage: Path | None,
     context_length: int | None = None,
 ) -> Engine:
-    """The draft engine for `backend` (`auto` picks Core ML where it runs, else MLX)."""
-    from ondevice.errors import OndeviceError
+    """The draft engine for `backend`.
+
+    `auto` picks Core ML on a Mac where it runs, else MLX (else the reference executor). On a Mac
+    any Core ML failure (native module, compilation, load, state, first prediction) falls back
+    to the bundle's MLX draft with one line saying why; an explicit `coreml` raises instead.
+    """
+    import platform
+
+    from ondevice.errors import CoreMLUnavailableError, OndeviceError
 
     if backend not in DRAFT_BACKENDS:
         raise OndeviceError(f"unknown draft backend {backend!r}; choose one of {', '.join(DRAFT_BACKENDS)}.")
-    if backend == "auto":
-        if mlpackage is not None and coreml_available():
-            backend = "coreml"
-        elif mlx_model is not None:
-            # Measured on Linux: the MLX draft is much faster than the numpy reference executor.
-            backend = "mlx"
-        else:
-            backend = "reference"
+    if backend in ("auto", "coreml") and mlpackage is not None:
+        from ondevice.runtime.coreml_engines import CoreMLDraftEngine
+
+        on_mac = platform.system() == "Darwin"
+        reason = coreml_status()
+        if reason is None:
+            try:
+                return CoreMLDraftEngine(mlpackage)
+            except CoreMLUnavailableError as e:
+                reason = str(e)
+        if backend == "coreml":
+            raise OndeviceError(
+                f"draft backend 'coreml' is unavailable: {reason}. Use --draft-backend mlx or "
+                "reference (the same .mlpackage run in numpy)."
+            )
+        fallback = "mlx" if mlx_model is not None else "reference"
+        if on_mac:
+            _fall_back(reason, "bundle's MLX" if fallback == "mlx" else "reference", mlpackage)
+        backend = fallback
+    elif backend == "auto":
+        backend = "mlx" if mlx_model is not None else "reference"
     if backend == "mlx":
         if mlx_model is None:
             raise OndeviceError("draft backend 'mlx' needs the draft's MLX weights.")
@@ -134,13 +190,6 @@ def make_draft_engine(
             f"draft backend {backend!r} needs a Core ML draft: load a pair bundle made by "
             "`ondevice-convert` (it holds draft/draft.mlpackage)."
         )
-    from ondevice.runtime.coreml_engines import CoreMLDraftEngine, ReferenceDraftEngine
+    from ondevice.runtime.coreml_engines import ReferenceDraftEngine
 
-    if backend == "coreml":
-        if not coreml_available():
-            raise OndeviceError(
-                "draft backend 'coreml' needs macOS 15 or newer; use --draft-backend reference "
-                "(the same .mlpackage run in numpy) or mlx."
-            )
-        return CoreMLDraftEngine(mlpackage)
     return ReferenceDraftEngine(mlpackage)
