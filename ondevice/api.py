@@ -135,7 +135,17 @@ class Generator:
 
     # -- prompts ----------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt, chat_template: bool = True) -> list[int]:
+    def encode_prompt(
+        self,
+        prompt: Prompt,
+        chat_template: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a prompt. Chats go through the chat template, with `tools` (OpenAI
+        function schemas) and `template_kwargs` (e.g. enable_thinking=False) passed to it."""
+        chat = {"tools": tools, **(template_kwargs or {})}
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (str, Sequence)):
             raise OndeviceError(
                 "prompt must be a string, a list of {'role','content'} messages, or a list of "
@@ -144,7 +154,7 @@ class Generator:
         tok = self.tokenizer
         if isinstance(prompt, str):
             if chat_template and tok.chat_template:
-                text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+                text = tok.apply_chat_template([{"role": "user", "content": prompt}], **chat)
                 return tok.encode(text, add_special_tokens=False)
             return tok.encode(prompt)
         prompt = list(prompt)
@@ -154,7 +164,8 @@ class Generator:
             for i, m in enumerate(prompt):
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise OndeviceError(f"message {i} needs string 'role' and 'content' fields.")
-            return tok.encode(tok.apply_chat_template(prompt), add_special_tokens=False)
+            text = tok.apply_chat_template(prompt, **chat)
+            return tok.encode(text, add_special_tokens=False)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.verifier.vocab_size]
             if bad:
@@ -166,8 +177,8 @@ class Generator:
             "prompt must be a string, a list of {'role','content'} messages, or a list of token ids."
         )
 
-    def count_tokens(self, prompt: Prompt, chat_template: bool = True) -> int:
-        return len(self.encode_prompt(prompt, chat_template))
+    def count_tokens(self, prompt: Prompt, chat_template: bool = True, **chat: Any) -> int:
+        return len(self.encode_prompt(prompt, chat_template, **chat))
 
     # -- generation -------------------------------------------------------------------------
 
@@ -192,6 +203,8 @@ class Generator:
         logit_bias: dict[int, float] | None = None,
         logprobs: int | None = None,
         grammar: Grammar | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         cache_prompt: bool = True,
         _cancel: threading.Event | None = None,
     ) -> Iterator[Chunk]:
@@ -209,6 +222,7 @@ class Generator:
         grammar (`speculative.grammar`) transform the distribution of the verifier and of the
         draft alike, so speculation stays exact for the transformed law. logprobs: report the
         verifier's log-probabilities of the emitted tokens (and of the `logprobs` most likely).
+        tools, chat_template_kwargs: passed to the chat template (see `encode_prompt`).
         """
         try:
             params = SamplingParams(
@@ -229,7 +243,9 @@ class Generator:
             isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)
         )):  # fmt: skip
             raise OndeviceError(f"stop must be a string or a list of strings, got {stop!r}.")
-        ids = self.encode_prompt(prompt, chat_template)
+        ids = self.encode_prompt(
+            prompt, chat_template, tools=tools, template_kwargs=chat_template_kwargs
+        )
         if not ids:
             raise OndeviceError("the prompt is empty (it encodes to no tokens); pass some text.")
         stops = [stop] if isinstance(stop, str) else list(stop or [])

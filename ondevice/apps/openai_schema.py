@@ -8,6 +8,7 @@ the table). Fields no OpenAI client sends are ignored, as OpenAI does.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -172,18 +173,73 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: NonEmpty
+    arguments: str  # JSON text
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
+    name: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            # chat templates expect the arguments as an object (they render it with tojson)
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: NonEmpty
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: dict[str, str]
 
 
 class ChatCompletionRequest(_Request):
@@ -191,12 +247,22 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # keyword arguments for the chat template (vLLM's and llama.cpp's name), e.g.
+    # {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat_supported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools are not supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError(
+                "tool_choice 'required' or a named function is not supported; send 'auto' "
+                "(the model decides) or 'none'"
+            )
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise ValueError("tool_choice needs tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if self.max_completion_tokens is not None:
@@ -206,6 +272,12 @@ class ChatCompletionRequest(_Request):
     def logprobs_count(self) -> int | None:
         """`Generator.stream`'s logprobs: None (off) or how many alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_list(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template (none when tool_choice is "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def prompt(self) -> list[dict[str, str]]:
         return [m.as_dict() for m in self.messages]

@@ -51,6 +51,7 @@ from ondevice.apps.openai_schema import (
     error_body,
     validation_message,
 )
+from ondevice.apps.tool_calls import ToolCall, ToolCallStream
 from ondevice.errors import ContextLengthError, OndeviceError
 
 if TYPE_CHECKING:
@@ -376,6 +377,7 @@ class OpenAIServer:
         allowed_hosts: Iterable[str] | None = LOOPBACK_HOSTS,
         allowed_origins: Iterable[str] = (),
         read_timeout: float = DEFAULT_READ_TIMEOUT,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """allowed_hosts: Host names served (None: any, for servers reached by many names);
         allowed_origins: browser origins ('http://host:port', or '*') allowed besides those
@@ -387,6 +389,7 @@ class OpenAIServer:
         self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
         self.allowed_origins = {o.lower().rstrip("/") for o in allowed_origins}
         self.read_timeout = read_timeout
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.metrics = Metrics()
         self.slot = ModelSlot(gen, max_queue, self.metrics)
         self.created = int(time.time())
@@ -583,11 +586,16 @@ class OpenAIServer:
         """Generation keyword arguments; checks the prompt and max_tokens against the context."""
         context = self.gen.context_length
         where = "messages" if chat_template else "prompt"
+        # the chat template's inputs besides the messages: tools, keyword arguments (the
+        # server's --chat-template-args, overridden per request)
+        tools = req.tool_list() if isinstance(req, ChatCompletionRequest) else None
+        kwargs = {**self.chat_template_kwargs, **(getattr(req, "chat_template_kwargs", None) or {})}
+        chat = {"tools": tools, "template_kwargs": kwargs or None}
 
         def count() -> int | None:
             if _surely_too_long(self.gen.tokenizer, _prompt_texts(prompt), context):
                 return None
-            return self.gen.count_tokens(prompt, chat_template=chat_template)
+            return self.gen.count_tokens(prompt, chat_template=chat_template, **chat)
 
         try:
             n_prompt = await anyio.to_thread.run_sync(count)
@@ -625,6 +633,8 @@ class OpenAIServer:
             "max_tokens": max_tokens,
             **req.sampling(),
             "logprobs": req.logprobs_count(),
+            "tools": tools,
+            "chat_template_kwargs": kwargs or None,
             "num_draft_tokens": req.num_draft_tokens,
             "speculative": req.speculative,
             "stop": req.stop_list(),
@@ -650,6 +660,7 @@ class OpenAIServer:
             created=int(time.time()),
             model=self.model_id,
             tokenizer=self.gen.tokenizer if options.get("logprobs") is not None else None,
+            tools=bool(options.get("tools")),
         )
         run = self.slot.start(prompt, options)
         if req.stream:
@@ -781,6 +792,7 @@ class _Shape:
     created: int
     model: str
     tokenizer: Any = None  # set when the request asked for logprobs
+    tools: bool = False  # the request offered tools: tool calls in the text become tool_calls
 
     def _logprobs(self, logprobs: list[Any], offset: int = 0) -> dict[str, Any] | None:
         if self.tokenizer is None:
@@ -816,7 +828,16 @@ class _Shape:
 
     def response(self, text: str, last: Chunk, logprobs: list[Any]) -> dict[str, Any]:
         stats = last.stats or {}
-        choice = self._choice(text, _finish(last), streamed=False)
+        calls: list[ToolCall] = []
+        if self.tools:
+            parser = ToolCallStream()
+            head, _ = parser.feed(text)
+            tail, _ = parser.flush()
+            text, calls = head + tail, parser.calls
+        finish = "tool_calls" if calls else _finish(last)
+        choice = self._choice(text if text or not calls else None, finish, streamed=False)
+        if calls:
+            choice["message"]["tool_calls"] = [c.as_openai() for c in calls]
         choice["logprobs"] = self._logprobs(logprobs)
         body = self._envelope([choice], False)
         body["usage"] = _usage(stats)
@@ -831,10 +852,17 @@ class _Shape:
             )
         offset = 0  # characters sent so far (completions' text_offset)
         lps: list[Any] = []
+        parser = ToolCallStream() if self.tools else None
         try:
             async for chunks in run.batches():
                 events = []
                 text = "".join(c.text for c in chunks)
+                calls: list[ToolCall] = []
+                if parser is not None:
+                    text, calls = parser.feed(text)
+                    if chunks[-1].finish_reason is not None:
+                        rest, more = parser.flush()
+                        text, calls = text + rest, calls + more
                 # a token may complete no text yet (half a character): its logprob waits
                 lps += [lp for c in chunks for lp in c.logprobs or ()]
                 if text:
@@ -844,10 +872,16 @@ class _Shape:
                     offset += len(text)
                     delta = self._envelope([choice], True)
                     events.append(_sse(delta | usage_field))
+                first = len(parser.calls) - len(calls) if parser is not None else 0
+                for n, call in enumerate(calls, first):  # each call whole, in one delta
+                    choice = self._choice(None, None, True)
+                    choice["delta"]["tool_calls"] = [call.as_openai(index=n)]
+                    events.append(_sse(self._envelope([choice], True) | usage_field))
                 last = chunks[-1]
                 if last.finish_reason is not None:
                     stats = last.stats or {}
-                    final = self._envelope([self._choice(None, _finish(last), True)], True)
+                    finish = "tool_calls" if parser is not None and parser.calls else _finish(last)
+                    final = self._envelope([self._choice(None, finish, True)], True)
                     final["ondevice"] = stats
                     events.append(_sse(final | usage_field))
                     if include_usage:
