@@ -14,7 +14,9 @@ Host, a form post). Every answer is classified: expected outcomes by kind (200, 
 inputs, 429 when the queue is full, the intended disconnects) and anything else as unexpected
 (a 5xx, a malformed body, a wrong status, a transport error nobody asked for). The server's RSS
 is read from /proc after warm-up, in the middle and at the end. Goal (issue 16): 0 unexpected
-errors, RSS at the end within 10% of the warm-up value. Loopback only.
+errors, RSS at the end within 10% of the warm-up value. The prompt cache keeps KV of past
+prompts up to its budget by design, so the soak gives it a small one (--prompt-cache-mb 8) that
+fills during the warm-up. Loopback only.
 """
 
 from __future__ import annotations
@@ -62,10 +64,11 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-def start_server(verifier: Path, draft: Path, port: int, max_queue: int) -> subprocess.Popen:
+def start_server(verifier: Path, draft: Path, port: int, args: argparse.Namespace) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "ondevice", "serve", "--model", str(verifier), "--draft",
            str(draft), "--draft-backend", "mlx", "--port", str(port), "--name", MODEL,
-           "--max-queue", str(max_queue), "--log-level", "error", "--read-timeout", "10"]  # fmt: skip
+           "--max-queue", str(args.max_queue), "--log-level", "error", "--read-timeout", "10",
+           "--prompt-cache-mb", str(args.prompt_cache_mb)]  # fmt: skip
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -203,13 +206,20 @@ def main() -> int:
     p.add_argument("--max-queue", type=int, default=2)
     p.add_argument("--warmup", type=int, default=100, help="requests before the RSS baseline")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prompt-cache-mb",
+        type=int,
+        default=8,
+        help="the server's prompt cache budget (default 8: full within the warm-up, so RSS "
+        "growth after it is not the cache filling up; the server's own default is 1024)",
+    )
     p.add_argument("--kinds", nargs="*", choices=list(KINDS), help="only these kinds of request")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         verifier, draft = write_pair(Path(tmp))
         port = free_port()
-        proc = start_server(verifier, draft, port, args.max_queue)
+        proc = start_server(verifier, draft, port, args)
         try:
             result = asyncio.run(soak(args, port, proc.pid))
         finally:
