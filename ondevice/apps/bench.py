@@ -13,6 +13,8 @@ def _csv(text: str) -> list[str]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ondevice.apps import options
+
     p = sub.add_parser(
         "bench",
         help="benchmark speculative decoding against plain decoding (and mlx-lm)",
@@ -23,11 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     who = src.add_mutually_exclusive_group()
     who.add_argument("--model", metavar="BUNDLE", help="a pair bundle (or any model with --draft)")
     who.add_argument("--verifier", metavar="PATH_OR_ID", help="verifier model")
-    src.add_argument("--draft", metavar="PATH_OR_ID", help="draft model")
-    src.add_argument(
-        "--draft-backend", default="auto", choices=["auto", "coreml", "reference", "mlx"]
-    )
-    src.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    src.add_argument("--draft-model", "--draft", dest="draft", metavar="PATH_OR_ID",
+                     help="draft model")  # fmt: skip
+    src.add_argument("--draft-backend", default="auto", choices=options.DRAFT_BACKENDS)
+    src.add_argument("--dtype", choices=options.DTYPES)
     pr = p.add_argument_group("prompts")
     pr.add_argument(
         "--prompts",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ondevice.apps.serve import add_model_arguments
+    from ondevice.apps.options import add_model_arguments
 
     p = sub.add_parser(
         "cache-prompt",
@@ -63,7 +63,7 @@ def prompt_ids(gen, prompt: str | None, system: str | None, chat_template: bool)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ondevice.apps.serve import load_generator
+    from ondevice.apps.options import load_generator
     from ondevice.errors import OndeviceError
 
     prompt = _read(args.prompt_file, "--prompt-file") if args.prompt_file else args.prompt

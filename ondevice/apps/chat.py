@@ -65,6 +65,8 @@ class Settings:
     seed: int | None = None
     num_draft_tokens: int | None = None
     speculative: bool = True
+    # further `Generator.stream` arguments (min_p, penalties, stop, chat_template_kwargs)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -308,6 +310,7 @@ class ChatController:
                 seed=s.seed,
                 num_draft_tokens=s.num_draft_tokens,
                 speculative=s.speculative,
+                **s.extra,
             )
             try:
                 for chunk in stream:
@@ -482,7 +485,7 @@ Ctrl-C stops an answer without leaving the chat."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ondevice.apps.serve import add_model_arguments
+    from ondevice.apps import options
 
     p = sub.add_parser(
         "chat",
@@ -490,34 +493,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Chat with a model in the terminal.\n\n" + HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_model_arguments(p)
+    options.add_model_arguments(p)
     p.add_argument("--system", help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=512, help="longest answer (default: 512)")
-    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--num-draft-tokens", type=int, metavar="K")
-    p.add_argument("--no-speculative", action="store_true", help="run the verifier alone")
+    options.add_sampling_arguments(p, temp=0.7, max_tokens=512)
+    options.add_chat_template_arguments(p)
     p.add_argument("--history", metavar="PATH", help="keep the conversation in this JSON file")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ondevice.apps.serve import prompt_cache_options
+    from ondevice.apps import options
     from ondevice.errors import OndeviceError
 
     if not args.model:
         raise OndeviceError("no model given: pass --model (a pair bundle, folder, .gguf or name).")
     if args.max_tokens < 1:
         raise OndeviceError(f"--max-tokens {args.max_tokens}: must be at least 1.")
-    settings = Settings(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        num_draft_tokens=args.num_draft_tokens,
-        speculative=not args.no_speculative,
-    )
+    sampling = options.sampling_options(args)
+    core = {f: sampling.pop(f) for f in ("max_tokens", "temperature", "top_p", "top_k", "seed",
+                                          "num_draft_tokens", "speculative")}  # fmt: skip
+    sampling["chat_template_kwargs"] = args.chat_template_args
+    settings = Settings(**core, extra=sampling)
     ctrl = ChatController(history_path=args.history, system_prompt=args.system, settings=settings)
     for event in ctrl.drain():
         if event.kind == "error":
@@ -529,11 +525,12 @@ def run(args: argparse.Namespace) -> int:
         draft_backend=args.draft_backend,
         dtype=args.dtype,
         quantize=args.quantize,
-        **prompt_cache_options(args),
+        **options.prompt_cache_options(args),
     )
     ctrl.wait()
     if ctrl.model_name is None:
         raise OndeviceError(ctrl.error or "the model could not be loaded.")
+    options.apply_chat_template_option(ctrl._gen, args.chat_template)
     ctrl.drain()
     return TerminalChat(ctrl).loop()
 

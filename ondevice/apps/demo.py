@@ -24,6 +24,8 @@ DRAFT_CONTEXT = 2048  # the Core ML draft's fixed state size; chats longer than 
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ondevice.apps import options
+
     p = sub.add_parser(
         "demo",
         help="pull the default pair, convert it, stream an answer and compare with plain decoding",
@@ -33,13 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--pair", default=None, help="catalog pair name (default: the catalog's default)"
     )
-    p.add_argument(
-        "--draft-backend", default="auto", choices=["auto", "coreml", "reference", "mlx"]
-    )
+    p.add_argument("--draft-backend", default="auto", choices=options.DRAFT_BACKENDS)
     p.add_argument(
         "--method",
         default="auto",
-        choices=["auto", "chain", "tree", "pld", "lookahead", "cascade"],
+        choices=options.METHODS,
         help="speculation method (default: auto, which picks per round among the draft, prompt "
         "lookup and plain steps by measured acceptance and cost)",
     )

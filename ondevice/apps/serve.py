@@ -1,4 +1,4 @@
-"""`ondevice serve`: the OpenAI-compatible HTTP server, and the model options `chat` shares."""
+"""`ondevice serve`: the OpenAI-compatible HTTP server."""
 
 from __future__ import annotations
 
@@ -8,6 +8,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ondevice.apps.options import (
+    add_chat_template_arguments,
+    add_model_arguments,
+    apply_chat_template_option,
+    load_generator,
+)
 from ondevice.errors import OndeviceError
 
 if TYPE_CHECKING:
@@ -15,70 +21,6 @@ if TYPE_CHECKING:
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 API_KEY_ENV = "ONDEVICE_API_KEY"
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--model/--verifier, --draft, --draft-backend, --dtype, --quantize: `ondevice.load`'s."""
-    p.add_argument(
-        "--model",
-        "--verifier",
-        dest="model",
-        metavar="MODEL",
-        help="pair bundle, model folder, .gguf file, or catalog / Hugging Face name",
-    )
-    p.add_argument("--draft", metavar="MODEL", help="draft model for an unbundled pair")
-    p.add_argument(
-        "--draft-backend",
-        default="auto",
-        choices=("auto", "coreml", "reference", "mlx"),
-        help="where the draft runs (default: auto)",
-    )
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="weights dtype")
-    p.add_argument("--quantize", type=int, choices=(4, 8), help="quantize the verifier on load")
-    add_prompt_cache_arguments(p)
-
-
-def add_prompt_cache_arguments(p: argparse.ArgumentParser) -> None:
-    """--prompt-cache FILE, --prompt-cache-mb N: `ondevice.load`'s prompt_cache options."""
-    p.add_argument(
-        "--prompt-cache",
-        metavar="FILE",
-        help="a prompt saved by `ondevice cache-prompt`: prompts that begin with it start from "
-        "its KV instead of prefilling it",
-    )
-    p.add_argument(
-        "--prompt-cache-mb",
-        type=int,
-        default=1024,
-        metavar="N",
-        help="memory for the KV of recent prompts and answers, reused by prompts that begin "
-        "the same way (0: off; default: 1024)",
-    )
-
-
-def prompt_cache_options(args: argparse.Namespace) -> dict:
-    """`ondevice.load` keyword arguments from `add_prompt_cache_arguments`' options."""
-    if args.prompt_cache_mb < 0:
-        raise OndeviceError(f"--prompt-cache-mb {args.prompt_cache_mb}: must be 0 or more.")
-    return {"prompt_cache": args.prompt_cache, "prompt_cache_bytes": args.prompt_cache_mb << 20}
-
-
-def load_generator(args: argparse.Namespace) -> Generator:
-    import ondevice
-
-    if not args.model:
-        raise OndeviceError(
-            "no model given: pass --model with a pair bundle, a model folder, a .gguf file "
-            "or a model name (see `ondevice pull`)."
-        )
-    return ondevice.load(
-        args.model,
-        draft=args.draft,
-        draft_backend=args.draft_backend,
-        dtype=args.dtype,
-        quantize=args.quantize,
-        **prompt_cache_options(args),
-    )
 
 
 def warm_up(gen: Generator) -> None:
@@ -120,11 +62,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--allow-origin",
+        "--allowed-origins",
         action="append",
         default=[],
         metavar="ORIGIN",
-        help="let web pages from ORIGIN (e.g. http://localhost:3000, or '*') use the server; "
-        "by default only pages on an allowed host may",
+        help="let web pages from ORIGIN (e.g. http://localhost:3000, or '*'; repeatable or "
+        "comma-separated) use the server, CORS preflights included; by default only pages on "
+        "an allowed host may",
     )
     p.add_argument(
         "--read-timeout",
@@ -147,7 +91,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="largest accepted request body (default: 4 MiB)",
     )
-    p.add_argument("--name", help="model id reported by /v1/models (default: the model's name)")
+    p.add_argument(
+        "--alias",
+        "--name",
+        dest="name",
+        help="model id reported by /v1/models (default: the model's name); requests may name "
+        "any model, since one is served",
+    )
+    add_chat_template_arguments(p)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info"))
     p.set_defaults(func=run)
 
@@ -197,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         hosts = (args.host, *LOOPBACK_HOSTS, *args.allow_host) if args.allow_host else None
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     gen = load_generator(args)
+    apply_chat_template_option(gen, args.chat_template)
     warm_up(gen)
     server = OpenAIServer(
         gen,
@@ -205,8 +157,9 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         allowed_hosts=hosts,
-        allowed_origins=args.allow_origin,
+        allowed_origins=[o.strip() for a in args.allow_origin for o in a.split(",") if o.strip()],
         read_timeout=args.read_timeout,
+        chat_template_kwargs=args.chat_template_args,
     )
     if args.host not in LOOPBACK and not key:
         print(

@@ -20,11 +20,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ondevice.apps.options import DTYPES, QUANTIZE_BITS
 from ondevice.errors import OndeviceError
 
 COMPRESSIONS = ("none", "palettize4", "palettize6", "int8")
 KV_MODES = ("state", "io")
-DTYPES = ("float16", "bfloat16", "float32")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,8 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
             "draft), or check an existing bundle with --check."
         ),
     )
-    p.add_argument("--verifier", metavar="V", help="verifier: model folder, .gguf file or hub id")
-    p.add_argument("--draft", metavar="D", help="draft: model folder, .gguf file or hub id")
+    p.add_argument("--verifier", "--model", dest="verifier", metavar="V",
+                   help="verifier: model folder, .gguf file or hub id")  # fmt: skip
+    p.add_argument("--draft", "--draft-model", dest="draft", metavar="D",
+                   help="draft: model folder, .gguf file or hub id")  # fmt: skip
     p.add_argument("-o", "--output", metavar="OUT", help="bundle directory to create")
     p.add_argument(
         "--context", type=int, default=1024, help="draft context length in tokens (default 1024)"
@@ -61,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--verifier-quantize",
-        choices=("none", "4", "8"),
+        choices=("none", *(str(b) for b in QUANTIZE_BITS)),
         default="none",
         help="quantize the verifier's MLX weights to 4 or 8 bits (default none)",
     )

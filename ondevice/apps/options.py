@@ -1,0 +1,208 @@
+"""The command-line options every command shares: one list of choices, one spelling per option.
+
+Flag names follow mlx-lm's (`--model`, `--draft-model`, `--num-draft-tokens`, `--max-tokens`,
+`--temp`, `--top-p`, `--top-k`, `--min-p`, `--seed`), so a command line written for
+`mlx_lm.generate` works here; ondevice's older spellings (`--verifier`, `--draft`) are kept as
+aliases. `--prompt -` reads the prompt from standard input. This module stays light (no MLX
+import) so `ondevice --help` starts fast; test_options checks its choices against the API's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING, Any
+
+from ondevice.errors import OndeviceError
+
+if TYPE_CHECKING:
+    from ondevice.api import Generator
+
+# the same lists as ondevice.api.METHODS, runtime.engines.DRAFT_BACKENDS and load()'s dtypes
+METHODS = ("chain", "tree", "pld", "lookahead", "cascade", "auto")
+DRAFT_BACKENDS = ("auto", "coreml", "reference", "mlx")
+DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZE_BITS = (4, 8)
+
+
+def add_model_arguments(p: Any, *, required: bool = False) -> None:
+    """--model, --draft-model, --draft-backend, --dtype, --quantize and the prompt cache's
+    options: `ondevice.load`'s arguments."""
+    p.add_argument(
+        "--model",
+        "--verifier",
+        dest="model",
+        required=required,
+        metavar="MODEL",
+        help="verifier: pair bundle, model folder, .gguf file, or catalog / Hugging Face name",
+    )
+    p.add_argument(
+        "--draft-model",
+        "--draft",
+        dest="draft",
+        metavar="MODEL",
+        help="draft model for an unbundled pair (a bundle brings its own)",
+    )
+    p.add_argument(
+        "--draft-backend",
+        default="auto",
+        choices=DRAFT_BACKENDS,
+        help="where the draft runs (default: auto)",
+    )
+    p.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: as stored)")
+    p.add_argument(
+        "--quantize", type=int, choices=QUANTIZE_BITS, help="quantize the verifier on load"
+    )
+    add_prompt_cache_arguments(p)
+
+
+def add_prompt_cache_arguments(p: Any) -> None:
+    """--prompt-cache FILE, --prompt-cache-mb N: `ondevice.load`'s prompt_cache options."""
+    p.add_argument(
+        "--prompt-cache",
+        metavar="FILE",
+        help="a prompt saved by `ondevice cache-prompt`: prompts that begin with it start from "
+        "its KV instead of prefilling it",
+    )
+    p.add_argument(
+        "--prompt-cache-mb",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="memory for the KV of recent prompts and answers, reused by prompts that begin "
+        "the same way (0: off; default: 1024)",
+    )
+
+
+def prompt_cache_options(args: argparse.Namespace) -> dict:
+    """`ondevice.load` keyword arguments from `add_prompt_cache_arguments`' options."""
+    if args.prompt_cache_mb < 0:
+        raise OndeviceError(f"--prompt-cache-mb {args.prompt_cache_mb}: must be 0 or more.")
+    return {"prompt_cache": args.prompt_cache, "prompt_cache_bytes": args.prompt_cache_mb << 20}
+
+
+def load_generator(args: argparse.Namespace) -> Generator:
+    """`ondevice.load` with `add_model_arguments`' options."""
+    import ondevice
+
+    if not args.model:
+        raise OndeviceError(
+            "no model given: pass --model with a pair bundle, a model folder, a .gguf file "
+            "or a model name (see `ondevice pull`)."
+        )
+    return ondevice.load(
+        args.model,
+        draft=args.draft,
+        draft_backend=args.draft_backend,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        **prompt_cache_options(args),
+    )
+
+
+def add_sampling_arguments(p: Any, *, temp: float = 0.0, max_tokens: int = 256) -> None:
+    """--max-tokens, --temp, --top-p, --top-k, --min-p, the penalties, --seed, --stop,
+    --num-draft-tokens and --no-speculative: `Generator.stream`'s sampling arguments."""
+    p.add_argument(
+        "--max-tokens", type=int, default=max_tokens, metavar="N",
+        help=f"longest answer in tokens (default: {max_tokens})",
+    )  # fmt: skip
+    p.add_argument(
+        "--temp", type=float, default=temp, help=f"temperature, 0 = greedy (default: {temp:g})"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1, off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (default: 0, off)")
+    p.add_argument(
+        "--min-p", type=float, default=0.0,
+        help="keep tokens at least this fraction as likely as the best (default: 0, off)",
+    )  # fmt: skip
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide logits of tokens already in the context (default: 1, off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="P")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F")
+    p.add_argument("--seed", type=int, help="sampling seed (same seed, same tokens)")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument(
+        "--num-draft-tokens", type=int, metavar="K", help="fixed draft length (default: adaptive)"
+    )
+    p.add_argument("--no-speculative", action="store_true", help="run the verifier alone")
+
+
+def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`Generator.stream` keyword arguments from `add_sampling_arguments`' options."""
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temp,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "seed": args.seed,
+        "stop": args.stop,
+        "num_draft_tokens": args.num_draft_tokens,
+        "speculative": not args.no_speculative,
+    }
+
+
+def add_method_arguments(p: Any, default: str = "chain") -> None:
+    p.add_argument(
+        "--method",
+        default=default,
+        choices=METHODS,
+        help=f"how tokens are proposed; pld and lookahead need no draft (default: {default})",
+    )
+    p.add_argument(
+        "--pipeline",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap drafting with verification (default: where it is faster)",
+    )
+
+
+def add_chat_template_arguments(p: Any) -> None:
+    p.add_argument(
+        "--chat-template", metavar="FILE_OR_TEXT",
+        help="a Jinja chat template (a file, or the template itself) instead of the model's",
+    )  # fmt: skip
+    p.add_argument(
+        "--chat-template-args", metavar="JSON", type=json_object,
+        help='keyword arguments for the chat template, e.g. \'{"enable_thinking": false}\'',
+    )  # fmt: skip
+
+
+def apply_chat_template_option(gen: Generator, template: str | None) -> None:
+    """Replace the model's chat template by --chat-template's (a file or the text itself)."""
+    if not template:
+        return
+    from pathlib import Path
+
+    path = Path(template)
+    try:
+        is_file = len(template) < 4096 and path.is_file()
+    except OSError:
+        is_file = False
+    gen.tokenizer.chat_template = path.read_text() if is_file else template
+
+
+def json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"key\": true}'")
+    return value
+
+
+def read_prompt(text: str) -> str:
+    """The prompt option's text; `-` reads standard input (mlx-lm's convention)."""
+    if text != "-":
+        return text
+    data = sys.stdin.read()
+    if not data.strip():
+        raise OndeviceError("--prompt -: standard input was empty; pipe the prompt in.")
+    return data
