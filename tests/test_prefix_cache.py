@@ -23,6 +23,7 @@ from ondevice.apps.chat import ChatController, Settings, TerminalChat
 from ondevice.errors import ContextLengthError, OndeviceError
 from ondevice.models import load_model
 from ondevice.models.cache import KVCache
+from ondevice.runtime.engines import coreml_available
 from ondevice.runtime.prefix_cache import PrefixCache, PromptCacheError
 
 CONTEXT = 512
@@ -290,6 +291,29 @@ def test_the_package_drafts_cache_is_reused_exactly(package_pair, decoder, sampl
     assert r.stats["cached_tokens"] == len(first) + 5
     assert r.stats["draft_cached_tokens"] > len(first)
     assert r.stats["drafted"] > 0
+
+
+@pytest.mark.macos
+@pytest.mark.skipif(not coreml_available(), reason="Core ML prediction needs macOS 15+")
+@pytest.mark.parametrize("decoder", ["chain", "pipelined"])
+def test_the_coreml_drafts_state_is_reused_exactly(package_pair, decoder, tmp_path):
+    """The same on the Neural Engine: the prefix goes through MLState.read_state/write_state."""
+    verifier, pkg = package_pair
+    gen = Generator(_Pair(load_model(verifier), None, pkg, 256), "coreml")
+    ref = Generator(_Pair(load_model(verifier), None, pkg, 256), "coreml", prompt_cache_bytes=0)
+    kw = {"max_tokens": 10, **DECODERS[decoder], **SAMPLED}
+    first = ids(30, seed=9)
+    answer = gen.generate(first, **kw).tokens
+    turn = first + answer[:5] + [answer[5] % (VOCAB - 5) + 4, 40]
+    r = gen.generate(turn, **kw)
+    assert r.tokens == ref.generate(turn, **kw).tokens
+    assert r.stats["draft_cached_tokens"] > len(first) and r.stats["draft_backend"] == "coreml"
+    gen.save_prompt_cache(tmp_path / "doc.kv", first)
+    fresh = Generator(_Pair(load_model(verifier), None, pkg, 256), "coreml")
+    fresh.load_prompt_cache(tmp_path / "doc.kv")
+    r = fresh.generate(first + [7, 8], **kw)
+    assert r.stats["draft_cached_tokens"] == len(first)
+    assert r.tokens == ref.generate(first + [7, 8], **kw).tokens
 
 
 # -- saved prompts -------------------------------------------------------------------------------
