@@ -303,19 +303,53 @@ def _hostname(value: str) -> str:
 
 class _Screen:
     """ASGI middleware: refuses a foreign Host (421) or Origin (403) before any route runs,
-    so unknown paths and /health are covered as well."""
+    so unknown paths and /health are covered as well. A request from an allowed Origin gets
+    CORS headers, and its preflight (OPTIONS) is answered here, so browser UIs on the origins
+    of `--allowed-origins` can call the API."""
 
     def __init__(self, app: Any, server: OpenAIServer) -> None:
         self.app, self.server = app, server
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            error = self.server._screen(Headers(scope=scope))
+            headers = Headers(scope=scope)
+            error = self.server._screen(headers)
             if error is not None:
                 self.server.metrics.count_request("(screened)", error.status)
                 await _error_response(error)(scope, receive, send)
                 return
+            origin = headers.get("origin")
+            if origin is not None:  # allowed, or _screen would have refused it
+                cors = _cors_headers(origin, headers)
+                if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+                    self.server.metrics.count_request("(preflight)", 204)
+                    await Response(status_code=204, headers=cors)(scope, receive, send)
+                    return
+                send = _with_headers(send, cors)
         await self.app(scope, receive, send)
+
+
+def _cors_headers(origin: str, request: Headers) -> dict[str, str]:
+    return {
+        "Access-Control-Allow-Origin": origin,
+        "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+        "Access-Control-Allow-Headers": request.get(
+            "access-control-request-headers", "Authorization, Content-Type"
+        ),
+        "Access-Control-Max-Age": "600",
+        "Vary": "Origin",
+    }
+
+
+def _with_headers(send: Any, extra: dict[str, str]) -> Any:
+    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+
+    async def wrapped(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *raw]}
+        await send(message)
+
+    return wrapped
 
 
 class TimedH11Protocol(H11Protocol):
@@ -572,14 +606,8 @@ class OpenAIServer:
         except ValidationError as e:
             message, param = validation_message(e)
             raise APIError(400, message, param=param) from None
-        if req.model != self.model_id:
-            raise APIError(
-                404,
-                f"The model '{req.model}' does not exist on this server; it serves "
-                f"'{self.model_id}' (see GET /v1/models).",
-                param="model",
-                code="model_not_found",
-            )
+        # One model is served: any name reaches it (as with llama.cpp's server), so a client
+        # configured for another model ("gpt-4o-mini") works unchanged.
         return req
 
     async def _options(self, req: Any, prompt: Any, chat_template: bool) -> dict[str, Any]:
