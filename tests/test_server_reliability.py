@@ -60,16 +60,22 @@ def _rss_kb(field: str) -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-def test_a_4mb_prompt_is_refused_before_it_is_tokenized(server, path):
+@pytest.mark.parametrize("where", ["messages", "prompt", "tools"])
+def test_a_4mb_prompt_is_refused_before_it_is_tokenized(server, gen, monkeypatch, where):
     """The server runs in this process: its peak RSS (VmHWM, reset first) while answering a
     4 MB prompt stays under 50 MB above where it started. Tokenized whole, this character-level
-    model's 4M tokens took ~1 GB before the 400."""
+    model's 4M tokens took ~1.6 GB before the 400."""
     text = "ab " * (4_000_000 // 3)
-    if path == "/v1/chat/completions":
+    path = "/v1/completions" if where == "prompt" else "/v1/chat/completions"
+    if where == "messages":
         body = json.dumps(_chat(server, text)).encode()
-    else:
+    elif where == "prompt":
         body = json.dumps({"model": server.api.model_id, "prompt": text, "max_tokens": 2}).encode()
+    else:  # tool descriptions are rendered into the prompt too
+        template = "{{ tools | tojson }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        monkeypatch.setattr(gen.tokenizer, "chat_template", template)
+        tool = {"type": "function", "function": {"name": "f", "description": text, "parameters": {}}}
+        body = json.dumps(_chat(server, "hi", tools=[tool])).encode()
     with httpx.Client(timeout=60) as client:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
         before = _rss_kb("VmHWM")

@@ -621,7 +621,8 @@ class OpenAIServer:
         chat = {"tools": tools, "template_kwargs": kwargs or None}
 
         def count() -> int | None:
-            if _surely_too_long(self.gen.tokenizer, _prompt_texts(prompt), context):
+            texts = _prompt_texts([prompt, tools, kwargs])
+            if _surely_too_long(self.gen.tokenizer, texts, context):
                 return None
             return self.gen.count_tokens(prompt, chat_template=chat_template, **chat)
 
@@ -740,13 +741,14 @@ class OpenAIServer:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
-def _prompt_texts(prompt: Any) -> list[str]:
-    """The text a prompt's length depends on: its string, or each message's content."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list):
-        return [m["content"] for m in prompt if isinstance(m, dict)]
-    return []  # token ids: their number is known already
+def _prompt_texts(value: Any) -> list[str]:
+    """Every string the chat template may render: the prompt, or each message's content, tool
+    calls and names, the tools and template arguments (token ids add nothing: their number is
+    known already)."""
+    if isinstance(value, str):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return [t for item in items for t in _prompt_texts(item)]
 
 
 def _surely_too_long(tokenizer: Any, texts: Sequence[str], limit: int) -> bool:
@@ -757,7 +759,7 @@ def _surely_too_long(tokenizer: Any, texts: Sequence[str], limit: int) -> bool:
     the text ends. The work and memory are then bounded by the limit, not by the text: a 4 MB
     prompt tokenized whole holds ~300 MB of tokenizer state before it could be refused.
     """
-    bound = limit + limit // 8 + 16
+    bound = limit + limit // 8 + 16 + 2 * len(texts)  # a piece can gain a token or two alone
     total = 0
     for text in texts:
         n_chars = 4 * max(limit, 1)
