@@ -300,12 +300,16 @@ def test_float16_accumulation_agrees_with_float32(draft):
 
 
 def test_conversion_fails_when_the_probe_finds_an_op_out_of_range(tmp):
-    """A residual of ~110,000 is past float16 itself: conversion refuses, leaving nothing."""
-    cfg, w = qwen2(layers=1, embed_scale=30000.0)
+    """A residual of ~40,000 is within float16 but too close to its edge: conversion refuses,
+    leaving nothing; weights beyond float16 are refused before any work."""
+    cfg, w = qwen2(layers=1, embed_scale=10000.0)
     out = tmp / "too_loud" / "draft.mlpackage"
     with pytest.raises(ConversionError, match="float16 range probe"):
         convert_draft(cfg, w, out, context=CONTEXT, chunk=CHUNK, probe_prompts=[[1, 2, 3, 4]])
     assert not out.exists() and list(out.parent.iterdir()) == []
+    w["model.embed_tokens.weight"] *= 3.0
+    with pytest.raises(ModelFormatError, match="beyond float16's range"):
+        convert_draft(cfg, w, out, context=CONTEXT, chunk=CHUNK)
     # the probe's figures are part of a passing conversion's description
     cfg, w = qwen2(layers=1, embed_scale=100.0)
     desc = convert_draft(

@@ -80,6 +80,7 @@ import numpy as np
 
 from ondevice.convert.executor import (
     FORMAT_VERSION,
+    FP16_MAX,
     METADATA_KEY,
     RangeReport,
     probe_float16_range,
@@ -104,7 +105,7 @@ MAX_CONTEXT = MAX_DIM // 2
 MAX_HIDDEN = MAX_DIM // 2
 # The float16 range probe fails a conversion above a quarter of float16's range: headroom for
 # prompts longer or stranger than the probe's.
-RANGE_LIMIT = 65504.0 / 4
+RANGE_LIMIT = FP16_MAX / 4
 
 
 def _round_up(n: int, m: int) -> int:
@@ -188,6 +189,12 @@ def _get(weights: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> n
         )
     if not np.isfinite(w).all():
         raise ModelFormatError(f"draft weight {name!r} contains NaN or infinite values.")
+    peak = float(np.abs(w).max()) if w.size else 0.0
+    if peak > FP16_MAX:
+        raise ModelFormatError(
+            f"draft weight {name!r} has values up to {peak:,.0f}, beyond float16's range "
+            f"({FP16_MAX:,.0f}); the Core ML draft stores float16 weights."
+        )
     return w.astype(np.float32)
 
 
@@ -437,11 +444,12 @@ def _build_function(
                 x=mb.reshape(x=attn, shape=i32([1, H, L, hd])), perm=i32([0, 1, 3, 2])
             )
             attn = mb.reshape(x=attn, shape=i32([1, H * hd, 1, L]))
-            x = mb.add(x=x, y=conv(attn, f"{p}.o"))
+            x = mb.add(x=x, y=conv(attn, f"{p}.o"), name=f"{p}_attention_residual")
 
             h = rms_norm(x, w[f"{p}.post_norm"], 1, f"{p}_post_attention_norm")
             gate = mb.silu(x=conv(h, f"{p}.gate"))
-            x = mb.add(x=x, y=conv(mb.mul(x=gate, y=conv(h, f"{p}.up")), f"{p}.down"))
+            act = mb.mul(x=gate, y=conv(h, f"{p}.up"), name=f"{p}_mlp_activation")
+            x = mb.add(x=x, y=conv(act, f"{p}.down"), name=f"{p}_mlp_residual")
 
         h = rms_norm(x, w["norm"], 1, "final_norm")
         outputs = []
@@ -789,14 +797,17 @@ def convert_draft(
         _refuse_lint_errors(final)
         if probe_prompts:
             say(f"float16 range probe on {len(probe_prompts)} prompts (reference executor)")
+            t_probe = time.perf_counter()
             report = probe_float16_range(final, probe_prompts)
             _refuse_out_of_range(report)
             description["float16_probe"] = {
+                "seconds": round(time.perf_counter() - t_probe, 1),
                 "tokens": report.tokens,
                 "peak": report.peak,
                 "limit": RANGE_LIMIT,
                 "largest": [[n, t, v] for n, t, v in report.peaks[:5]],
             }
+            say(f"largest float16 magnitude {report.peak:,.0f} (limit {RANGE_LIMIT:,.0f})")
         final.rename(out)
     except OndeviceError:
         raise
