@@ -459,6 +459,28 @@ def test_compute_plan_covers_every_function(draft, monkeypatch):
         assert "NeuralEngine" in str(placement)
 
 
+def test_check_warns_about_a_function_mostly_off_the_neural_engine(draft, monkeypatch, capsys):
+    from collections import Counter
+
+    from ondevice.convert import check
+
+    _, _, pkg = draft
+    plans = {
+        "decode": lint.Placement({"NeuralEngine": Counter(conv=9)}, {"NeuralEngine": 1.0}),
+        "chunk": lint.Placement(
+            {"CPU": Counter(conv=9), "NeuralEngine": Counter(add=2)},
+            {"CPU": 0.8, "NeuralEngine": 0.2},
+        ),
+    }
+    monkeypatch.setattr(lint, "compute_plan", lambda path: plans)
+    monkeypatch.setattr(check.sys, "platform", "darwin")
+    assert check._check_draft(pkg) == 0
+    out = capsys.readouterr().out
+    assert "chunk: CPU 9 ops (80% of cost" in out
+    assert "warning: chunk plans only 20% of its cost on the Neural Engine" in out
+    assert "warning: decode" not in out
+
+
 # -- 7. install truth ------------------------------------------------------------------------------
 
 

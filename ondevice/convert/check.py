@@ -86,9 +86,16 @@ def _check_draft(mlpackage: Path) -> int:
         except Exception as e:
             _print(f"  warning: no compute plan ({type(e).__name__}: {e})")
         else:
-            _print("  compute plan (MLComputePlan):")
+            _print("  compute plan (MLComputePlan, one per function):")
             for line in _plan_lines(plan):
                 _print(f"    {line}")
+            for fn, placement in (plan.items() if isinstance(plan, dict) else ()):
+                share = getattr(placement, "share", None)
+                if share is not None and share("NeuralEngine") < 0.5:
+                    _print(
+                        f"  warning: {fn} plans only {100 * share('NeuralEngine'):.0f}% of its "
+                        "cost on the Neural Engine"
+                    )
     elif sys.platform == "darwin":
         _print("  compute plan: not available in this build")
     else:
