@@ -34,6 +34,7 @@ from ondevice.models.bundle import (
     FORMAT_VERSION,
     MANIFEST,
     is_sampled,
+    process_alive,
     sample_sha256,
     sha256_file,
 )
@@ -93,22 +94,12 @@ def _hidden(out: Path, kind: str) -> str:
     return f".{out.name}.{kind}-{os.getpid()}-"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
 def _orphans(out: Path, kind: str) -> list[Path]:
     """Hidden `kind` directories next to `out` whose process is gone (or unknown: older names)."""
     found = []
     for p in sorted(out.parent.glob(f".{out.name}.{kind}-*")):
         pid = p.name[len(f".{out.name}.{kind}-") :].split("-", 1)[0]
-        if p.is_dir() and not (pid.isdigit() and _alive(int(pid))):
+        if p.is_dir() and not (pid.isdigit() and process_alive(int(pid))):
             found.append(p)
     return found
 

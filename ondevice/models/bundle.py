@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -157,6 +158,17 @@ def _is_hex64(v: Any) -> bool:
 
 
 _PATHS = (("verifier", "path"), ("draft", "mlx"), ("draft", "mlpackage"), ("tokenizer", "path"))
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists: staging folders named after a dead one are leftovers."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:

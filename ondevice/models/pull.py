@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ondevice.errors import ModelFormatError, ModelNotFoundError, OndeviceError
+from ondevice.models.bundle import process_alive
 from ondevice.models.bundle import sha256_file as bundle_sha256
 from ondevice.models.catalog import (
     Catalog,
@@ -190,22 +191,12 @@ def _clean_stale(target: Path) -> None:
     legacy = re.compile(rf"\.{re.escape(target.name)}\.(?:old\.)?[a-z0-9_]{{8}}")
     for d in sorted(target.parent.iterdir()):
         m = ours.fullmatch(d.name)
-        live = m is not None and _alive(int(m.group(2)))
+        live = m is not None and process_alive(int(m.group(2)))
         if live or (m is None and not legacy.fullmatch(d.name)):
             continue
         if m and m.group(1) == "old" and (d / "model").is_dir() and not target.exists():
             os.replace(d / "model", target)  # killed between the two renames of --force
         shutil.rmtree(d, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists, owned by someone else
-    return True
 
 
 def _discard(target: Path) -> None:
