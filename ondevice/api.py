@@ -131,6 +131,7 @@ class Generator:
         # reuse them. Started on first use.
         self._worker: _Worker | None = None
         self.prompt_cache = PrefixCache(prompt_cache_bytes)
+        self._ll_tokenizer: Any = None  # llguidance's view of the vocabulary, for grammars
         self._fingerprints: dict[str, str] | None = None
 
     # -- prompts ----------------------------------------------------------------------------
@@ -179,6 +180,33 @@ class Generator:
 
     def count_tokens(self, prompt: Prompt, chat_template: bool = True, **chat: Any) -> int:
         return len(self.encode_prompt(prompt, chat_template, **chat))
+
+    def grammar(
+        self,
+        *,
+        json_schema: dict[str, Any] | bool | None = None,
+        lark: str | None = None,
+        regex: str | None = None,
+    ) -> Grammar:
+        """A grammar for `stream(grammar=...)`: JSON valid under `json_schema` (True: any JSON
+        object), or text matching a Lark grammar or a regular expression. Both models'
+        distributions are masked by it, so speculation stays exact for the constrained law."""
+        from ondevice.speculative import grammar as g
+
+        if sum(x is not None for x in (json_schema, lark, regex)) != 1:
+            raise OndeviceError("give exactly one of json_schema, lark or regex.")
+        if self._ll_tokenizer is None:  # about half a second for a large vocabulary
+            self._ll_tokenizer = g.ll_tokenizer(
+                self.tokenizer._tok, self.verifier.vocab_size, self.tokenizer.eos_token_ids
+            )
+        args = (self._ll_tokenizer,)
+        rest = (self.verifier.vocab_size, self.tokenizer.eos_token_ids)
+        if json_schema is not None:
+            schema = {"type": "object"} if json_schema is True else json_schema
+            return g.Grammar.json_schema(*args, schema, *rest)
+        if lark is not None:
+            return g.Grammar.lark(*args, lark, *rest)
+        return g.Grammar.regex(*args, regex, *rest)
 
     # -- generation -------------------------------------------------------------------------
 

@@ -88,6 +88,35 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
     return (f"Invalid value for '{param}': {msg}." if param else f"{msg}."), param
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object with a 'schema'")
+        return self
+
+    def grammar_schema(self) -> dict[str, Any] | bool | None:
+        """The JSON schema decoding is constrained to (True: any JSON object), or None."""
+        if self.type == "json_object":
+            return True
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return self.json_schema.schema_
+        return None
+
+
 # OpenAI request fields that this server refuses when set (the reason is sent back)
 _REFUSED = {
     "audio": "this server produces text only",
@@ -120,6 +149,8 @@ class _Request(BaseModel):
     # token id (as a string, JSON keys are strings) -> bias added to its logit
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None  # accepted for the client's records; nothing depends on it
+    # structured output: decoding constrained to JSON (any object, or valid under a schema)
+    response_format: ResponseFormat | None = None
     # ondevice extras (also llama.cpp's / vLLM's): sampling and speculation settings
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)

@@ -630,6 +630,15 @@ class OpenAIServer:
             n_prompt = await anyio.to_thread.run_sync(count)
         except OndeviceError as e:
             raise APIError(400, str(e), param=where) from None
+        grammar = None
+        schema = req.response_format.grammar_schema() if req.response_format else None
+        if schema is not None:
+            try:  # the first grammar of a model also reads its vocabulary (~0.5 s)
+                grammar = await anyio.to_thread.run_sync(
+                    lambda: self.gen.grammar(json_schema=schema)
+                )
+            except OndeviceError as e:
+                raise APIError(400, str(e), param="response_format") from None
         if n_prompt is None:
             raise APIError(
                 400,
@@ -664,6 +673,7 @@ class OpenAIServer:
             "logprobs": req.logprobs_count(),
             "tools": tools,
             "chat_template_kwargs": kwargs or None,
+            "grammar": grammar,
             "num_draft_tokens": req.num_draft_tokens,
             "speculative": req.speculative,
             "stop": req.stop_list(),
