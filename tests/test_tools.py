@@ -193,11 +193,50 @@ def test_without_tools_the_text_stays_text(server):
     assert r.usage.prompt_tokens == gen.count_tokens(MESSAGES)  # no tools in the prompt
 
 
+SMALL = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "parameters": {
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["n"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "pick"}}]
+)
+def test_tool_choice_required_or_named_forces_a_valid_call(tmp_path, choice):
+    """A real (tiny, random) model answers with exactly one call whose arguments follow the
+    function's schema: the tool call is a grammar, applied to draft and verifier."""
+    v = tiny.write_model(tmp_path / "m", vocab_size=128)
+    gen = ondevice.load(v, draft=tiny.perturbed_copy(v, tmp_path / "d", noise=0.2),
+                        draft_backend="mlx")  # fmt: skip
+    with LiveServer(gen) as s:
+        r = s.client().chat.completions.create(
+            model="m", messages=MESSAGES, tools=[WEATHER, SMALL], tool_choice=choice,
+            max_tokens=400, temperature=0,
+        )  # fmt: skip
+    choice_ = r.choices[0]
+    assert choice_.finish_reason == "tool_calls", choice_.message.content
+    (call,) = choice_.message.tool_calls
+    if isinstance(choice, dict):
+        assert call.function.name == "pick"
+    args = json.loads(call.function.arguments)
+    if call.function.name == "pick":
+        assert set(args) == {"n"} and 0 <= args["n"] <= 9
+    assert r.usage.completion_tokens < 400
+
+
 @pytest.mark.parametrize(
     "extra",
     [
-        {"tools": [WEATHER], "tool_choice": "required"},
         {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
         {"tools": [{"type": "function", "function": {}}]},
         {"tool_choice": "auto"},
     ],

@@ -287,13 +287,14 @@ class ChatCompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _chat_supported(self) -> ChatCompletionRequest:
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError(
-                "tool_choice 'required' or a named function is not supported; send 'auto' "
-                "(the model decides) or 'none'"
-            )
         if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
             raise ValueError("tool_choice needs tools")
+        name = self.forced_tool()[1]
+        if name is not None and name not in {t.function.name for t in self.tools or ()}:
+            raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
+        if self.forced_tool()[0] and self.response_format is not None:
+            raise ValueError("tool_choice 'required' or a named function cannot be combined "
+                             "with response_format")  # fmt: skip
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if self.max_completion_tokens is not None:
@@ -303,6 +304,13 @@ class ChatCompletionRequest(_Request):
     def logprobs_count(self) -> int | None:
         """`Generator.stream`'s logprobs: None (off) or how many alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(whether the answer must be a tool call, the function it must call or None)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return True, choice.function.get("name", "")
+        return choice == "required", None
 
     def tool_list(self) -> list[dict[str, Any]] | None:
         """The tools for the chat template (none when tool_choice is "none")."""

@@ -51,7 +51,7 @@ from ondevice.apps.openai_schema import (
     error_body,
     validation_message,
 )
-from ondevice.apps.tool_calls import ToolCall, ToolCallStream
+from ondevice.apps.tool_calls import ToolCall, ToolCallStream, tool_call_grammar
 from ondevice.errors import ContextLengthError, OndeviceError
 
 if TYPE_CHECKING:
@@ -630,15 +630,17 @@ class OpenAIServer:
             n_prompt = await anyio.to_thread.run_sync(count)
         except OndeviceError as e:
             raise APIError(400, str(e), param=where) from None
-        grammar = None
-        schema = req.response_format.grammar_schema() if req.response_format else None
-        if schema is not None:
+        grammar, spec = None, {}
+        if req.response_format is not None:
+            spec = {"json_schema": req.response_format.grammar_schema()}
+        if tools and req.forced_tool()[0]:  # the answer must be one call: a grammar says so
+            spec = {"lark": tool_call_grammar(tools, req.forced_tool()[1])}
+        if spec.get("json_schema", spec.get("lark")) is not None:
             try:  # the first grammar of a model also reads its vocabulary (~0.5 s)
-                grammar = await anyio.to_thread.run_sync(
-                    lambda: self.gen.grammar(json_schema=schema)
-                )
+                grammar = await anyio.to_thread.run_sync(lambda: self.gen.grammar(**spec))
             except OndeviceError as e:
-                raise APIError(400, str(e), param="response_format") from None
+                param = "tool_choice" if "lark" in spec else "response_format"
+                raise APIError(400, str(e), param=param) from None
         if n_prompt is None:
             raise APIError(
                 400,

@@ -106,6 +106,34 @@ class ToolCallStream:
         return "", found
 
 
+# Whitespace inside a forced call's JSON: what models write on one line, bounded.
+TOOL_WHITESPACE = r"[\x20\x0A]{0,2}"
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None) -> str:
+    """A Lark grammar (llguidance's dialect) for exactly one call in the `<tool_call>` format,
+    of the function `name` or of any of `tools`, its arguments valid under the function's
+    parameters schema: how `tool_choice` "required" or a named function is honoured."""
+    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not functions:
+        raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
+    rules = []
+    for i, f in enumerate(functions):
+        schema = {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                "arguments": f.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+            "x-guidance": {"whitespace_pattern": TOOL_WHITESPACE},
+        }
+        rules.append(f"call_{i}: %json {json.dumps(schema)}")
+    calls = " | ".join(f"call_{i}" for i in range(len(functions)))
+    return f'start: "{OPEN}\\n" ({calls}) "\\n{CLOSE}"\n' + "\n".join(rules)
+
+
 def _partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
