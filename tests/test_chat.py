@@ -340,7 +340,7 @@ def _chat_terminal(models, n: int) -> Terminal:
     """`ondevice chat` with the tiny pair in a pseudo-terminal, greedy, n tokens per answer."""
     argv = [sys.executable, "-m", "ondevice", "chat", "--model", str(models["first"])]
     argv += ["--draft", str(models["draft"]), "--draft-backend", "mlx"]
-    argv += ["--max-tokens", str(n), "--temperature", "0"]
+    argv += ["--max-tokens", str(n), "--temp", "0"]
     return Terminal(argv, {**os.environ, "TERM": "dumb", "PYTHONUNBUFFERED": "1"})
 
 

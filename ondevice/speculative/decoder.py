@@ -201,7 +201,7 @@ class TokenChooser:
     ) -> tuple[int, int]:
         """(accepted count, next token) for `drafts` at positions start.. given the verifier's
         logits for the last committed token plus the drafts; `seq` is the committed sequence."""
-        paths = chain_paths(drafts)
+        paths = chain_paths(drafts) if self.transform.active else [()] * (len(drafts) + 1)
         if self.params.greedy:
             return accept.greedy(drafts, self.transform.argmax(logits, seq, paths))
         p = self.probs(logits, seq, paths)
