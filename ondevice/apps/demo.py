@@ -107,13 +107,18 @@ def ensure_bundle(pair_name: str | None = None) -> str:
         f"into {bundle} (once)",
         file=sys.stderr,
     )
-    from ondevice.convert.cli import main as convert
+    # In a child process: conversion holds both models and the draft's numpy weights, and the
+    # demo then loads the bundle expanded to float32; in one process the peak was 16 GB.
+    import subprocess
 
-    code = convert(
-        ["--verifier", str(verifier), "--draft", str(draft), "-o", str(bundle)]
+    code = subprocess.call(
+        [sys.executable, "-m", "ondevice.convert.cli"]
+        + ["--verifier", str(verifier), "--draft", str(draft), "-o", str(bundle)]
         + ["--context", str(context)]
     )
     if code:
+        if code == 130:
+            raise KeyboardInterrupt
         raise OndeviceError("converting the default pair failed (see the messages above).")
     # bundles of this pair made from other files (older versions) are stale now
     same_pair = re.compile(re.escape(pair.name) + r"(-[0-9a-f]{12})?")
