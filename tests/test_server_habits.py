@@ -95,3 +95,23 @@ def test_a_model_without_a_template_still_chats(gen):
             assert r.usage.prompt_tokens == len(expected)
     finally:
         gen.tokenizer.chat_template = tiny.CHAT_TEMPLATE
+
+
+def test_server_defaults_for_fields_a_request_leaves_out(gen):
+    """`ondevice serve --temp 0 --max-tokens 3` (mlx_lm.server's flags): the defaults apply
+    only where a request is silent."""
+    from ondevice.apps.cli import build_parser
+    from ondevice.apps.options import request_defaults
+
+    args = build_parser().parse_args(
+        ["serve", "--model", "m", "--temp", "0", "--max-tokens", "3", "--top-k", "4"]
+    )
+    defaults = request_defaults(args)
+    assert defaults == {"temperature": 0.0, "max_tokens": 3, "top_k": 4}
+    greedy = gen.generate(MESSAGES, max_tokens=3, top_k=4)
+    with LiveServer(gen, request_defaults=defaults) as s:
+        c = s.client()
+        r = c.chat.completions.create(model="m", messages=MESSAGES)
+        assert r.usage.completion_tokens == 3 and r.choices[0].message.content == greedy.text
+        r = c.chat.completions.create(model="m", messages=MESSAGES, max_completion_tokens=5)
+        assert r.usage.completion_tokens == 5

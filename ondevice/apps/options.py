@@ -146,6 +146,31 @@ def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# serve's defaults for requests that leave a field out: flag dest -> request field
+REQUEST_DEFAULTS = {
+    "temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "max_tokens": "max_tokens", "num_draft_tokens": "num_draft_tokens", "seed": "seed",
+}  # fmt: skip
+
+
+def add_request_default_arguments(p: Any) -> None:
+    """mlx_lm.server's sampling flags for `serve`: defaults for requests that do not set
+    the field (a request's own value always wins)."""
+    g = p.add_argument_group("defaults for requests that do not set these fields")
+    g.add_argument("--max-tokens", type=int, metavar="N")
+    g.add_argument("--temp", type=float, help="temperature (default: OpenAI's 1)")
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--num-draft-tokens", type=int, metavar="K")
+
+
+def request_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """Request field -> value of the `add_request_default_arguments` flags that were given."""
+    return {f: getattr(args, d) for d, f in REQUEST_DEFAULTS.items() if getattr(args, d) is not None}
+
+
 def add_method_arguments(p: Any, default: str = "chain") -> None:
     p.add_argument(
         "--method",

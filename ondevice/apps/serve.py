@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 from ondevice.apps.options import (
     add_chat_template_arguments,
     add_model_arguments,
+    add_request_default_arguments,
     apply_chat_template_option,
     load_generator,
+    request_defaults,
 )
 from ondevice.errors import OndeviceError
 
@@ -99,6 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "any model, since one is served",
     )
     add_chat_template_arguments(p)
+    add_request_default_arguments(p)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info"))
     p.set_defaults(func=run)
 
@@ -160,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         allowed_origins=[o.strip() for a in args.allow_origin for o in a.split(",") if o.strip()],
         read_timeout=args.read_timeout,
         chat_template_kwargs=args.chat_template_args,
+        request_defaults=request_defaults(args),
     )
     if args.host not in LOOPBACK and not key:
         print(

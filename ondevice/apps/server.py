@@ -412,6 +412,7 @@ class OpenAIServer:
         allowed_origins: Iterable[str] = (),
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         chat_template_kwargs: dict[str, Any] | None = None,
+        request_defaults: dict[str, Any] | None = None,
     ) -> None:
         """allowed_hosts: Host names served (None: any, for servers reached by many names);
         allowed_origins: browser origins ('http://host:port', or '*') allowed besides those
@@ -424,6 +425,8 @@ class OpenAIServer:
         self.allowed_origins = {o.lower().rstrip("/") for o in allowed_origins}
         self.read_timeout = read_timeout
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        # values for request fields a request leaves out (`ondevice serve --temp ...`)
+        self.request_defaults = dict(request_defaults or {})
         self.metrics = Metrics()
         self.slot = ModelSlot(gen, max_queue, self.metrics)
         self.created = int(time.time())
@@ -659,7 +662,15 @@ class OpenAIServer:
                 param=where,
                 code="context_length_exceeded",
             )
-        max_tokens = req.max_tokens if req.max_tokens is not None else context - n_prompt
+        given = req.model_fields_set
+        defaults = {k: v for k, v in self.request_defaults.items() if k not in given}
+        if "max_completion_tokens" in given:
+            defaults.pop("max_tokens", None)
+        max_tokens = req.max_tokens
+        if "max_tokens" in defaults:  # the server's default: as much of it as fits
+            max_tokens = min(defaults.pop("max_tokens"), context - n_prompt)
+        if max_tokens is None:
+            max_tokens = context - n_prompt
         if n_prompt + max_tokens > context:
             raise APIError(
                 400,
@@ -680,6 +691,7 @@ class OpenAIServer:
             "speculative": req.speculative,
             "stop": req.stop_list(),
             "chat_template": chat_template,
+            **defaults,  # the server's values for fields this request left out
         }
 
     # -- endpoints ------------------------------------------------------------------------------
