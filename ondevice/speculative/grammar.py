@@ -116,9 +116,11 @@ def _validate(llg: Any, tokenizer: Any, grammar: str) -> tuple[bool, str]:
 
 
 class GrammarState:
-    """A grammar during one generation: allowed tokens after any context."""
+    """A grammar during one generation: allowed tokens after any context. The last
+    `cache_size` masks are kept (the verifier asks for the contexts the draft just asked for;
+    a mask is one byte per token of the vocabulary)."""
 
-    def __init__(self, grammar: Grammar, cache_size: int = 512):
+    def __init__(self, grammar: Grammar, cache_size: int = 64):
         llg = _llguidance()
         self.g = grammar
         self.matcher = llg.LLMatcher(grammar.tokenizer, grammar.grammar, log_level=0)
