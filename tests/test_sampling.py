@@ -226,6 +226,7 @@ def test_completion_logprobs(server):
     [
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"store": True}, "store"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),

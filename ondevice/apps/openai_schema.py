@@ -127,6 +127,9 @@ _REFUSED = {
     "function_call": "the deprecated 'function_call' field is not supported; send 'tool_choice'",
     "reasoning_effort": "this server has no reasoning-effort setting",
     "best_of": "only one completion per request is generated",
+    "store": "this server keeps no completions for later retrieval",
+    "verbosity": "this server has no verbosity setting",
+    "reasoning": "this server has no reasoning settings",
 }
 
 
