@@ -486,22 +486,7 @@ def _load_dequantized(
 
 
 def dequantize_all(weights: dict[str, mx.array], quant: dict[str, Any] | None) -> dict[str, np.ndarray]:
-    """Float32 numpy copies of all weights (quantized ones expanded), for converters.
+    """Float32 numpy copies of all weights (quantized ones expanded), for converters."""
+    from ondevice.models.weights import expand_quantized
 
-    `quant` is a config's `quantization` entry: defaults (`group_size`, `bits`) and/or per-layer
-    overrides keyed by layer path. A layer is quantized when its `.scales` tensor is present."""
-    quant = quant or {}
-    out: dict[str, np.ndarray] = {}
-    for name, w in weights.items():
-        base, _, kind = name.rpartition(".")
-        quantized = f"{base}.scales" in weights
-        if quantized and kind in ("scales", "biases"):
-            continue
-        if quantized and kind == "weight":
-            q = quant.get(base) or quant
-            # float32 scales: dequantizing in float16 would round every weight (~1e-3 relative)
-            scales = weights[f"{base}.scales"].astype(mx.float32)
-            biases = weights[f"{base}.biases"].astype(mx.float32)
-            w = mx.dequantize(w, scales, biases, q["group_size"], q["bits"])
-        out[name] = np.array(w.astype(mx.float32))
-    return out
+    return {k: np.array(v) for k, v in expand_quantized(weights, quant).items()}

@@ -65,6 +65,32 @@ def _quant_params(cfg: ModelConfig, path: str) -> dict[str, int] | None:
     return None
 
 
+def expand_quantized(
+    weights: dict[str, mx.array], quant: dict[str, Any] | None
+) -> dict[str, mx.array]:
+    """All weights in float32, quantized layers expanded by MLX's own kernels, evaluated one
+    tensor at a time (no lazy graph over the whole model, no numpy round trip).
+
+    `quant` is a config's `quantization` entry: defaults (`group_size`, `bits`) and/or per-layer
+    overrides keyed by layer path. A layer is quantized when its `.scales` tensor is present."""
+    quant = quant or {}
+    out: dict[str, mx.array] = {}
+    for name, w in weights.items():
+        base, _, kind = name.rpartition(".")
+        quantized = f"{base}.scales" in weights
+        if quantized and kind in ("scales", "biases"):
+            continue
+        if quantized and kind == "weight":
+            q = quant.get(base) or quant
+            # float32 scales: dequantizing in float16 would round every weight (~1e-3 relative)
+            scales = weights[f"{base}.scales"].astype(mx.float32)
+            biases = weights[f"{base}.biases"].astype(mx.float32)
+            w = mx.dequantize(w, scales, biases, q["group_size"], q["bits"])
+        out[name] = w.astype(mx.float32)
+        mx.eval(out[name])
+    return out
+
+
 def build_model(
     cfg: ModelConfig,
     weights: dict[str, mx.array],
@@ -80,9 +106,7 @@ def build_model(
     """
     weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
     if dequantize and cfg.quantization:
-        from ondevice.models.gguf import dequantize_all
-
-        weights = {k: mx.array(v) for k, v in dequantize_all(weights, cfg.quantization).items()}
+        weights = expand_quantized(weights, cfg.quantization)
         cfg.quantization = None
         dtype = dtype or "float32"
     if cfg.tie_word_embeddings:
