@@ -73,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="float type of the MLX weights (default: as stored in the checkpoint)",
     )
+    p.add_argument(
+        "--probe-prompts",
+        type=int,
+        default=2,
+        metavar="N",
+        help="float16 range probe: run the converted draft on N built-in prompts (32 tokens "
+        "each) in the reference executor and refuse a package whose activations come near "
+        "float16's limit (default 2; 0 skips it; each prompt costs ~40 s for a 0.5B draft)",
+    )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument(
         "--check",
@@ -157,6 +166,10 @@ def _validate(args: argparse.Namespace) -> None:
     from ondevice.convert.coreml import check_options
 
     check_options(args.context, args.draft_chunk)
+    if args.probe_prompts < 0:
+        from ondevice.errors import BundleError
+
+        raise BundleError(f"--probe-prompts {args.probe_prompts}: use 0 (no probe) or more.")
 
 
 def _check_pair(verifier: Any, draft: Any, context: int) -> None:
@@ -215,10 +228,11 @@ def _describe(loaded: Any, source: str) -> dict[str, Any]:
     }
 
 
-def _probe_prompts(tokenizer: Any, max_tokens: int = 96) -> list[list[int]]:
+def _probe_prompts(tokenizer: Any, max_tokens: int = 32) -> list[list[int]]:
     """Token ids of real prompts for the converter's float16 range probe: the first built-in
     benchmark prompt of each category through the chat template, cut to `max_tokens` (large
-    activations show within the first tokens; the probe runs the draft in numpy)."""
+    activations show within the first tokens: Qwen2.5-0.5B's residual peaks on the first; the
+    probe runs the draft in numpy, about a second per token for a 0.5B draft)."""
     from ondevice.bench.prompts import builtin_prompts_path, read_prompts
 
     prompts, _ = read_prompts(builtin_prompts_path())
@@ -319,7 +333,7 @@ def convert(args: argparse.Namespace) -> int:
                 compress=args.draft_compress,
                 kv=args.draft_kv,
                 progress=_convert_progress(),
-                probe_prompts=_probe_prompts(draft.tokenizer),
+                probe_prompts=_probe_prompts(draft.tokenizer)[: args.probe_prompts],
             )
             del weights
         with phases("writing tokenizer"):
