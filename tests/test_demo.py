@@ -66,6 +66,12 @@ def test_demo_pulls_converts_streams_and_compares(demo_env: dict, capsys) -> Non
     assert "output identical" in err and "acceptance 100%" in err  # the draft is the verifier
     assert _bundles(home) == [bundle]
 
+    # Commands run without --model use the default pair's bundle, as it is.
+    assert main(["generate", "--prompt", "hi", "--max-tokens", "4", "--draft-backend", "mlx"]) == 0
+    _, err = capsys.readouterr()
+    assert "no --model: using the default pair" in err and "converting" not in err
+    assert _bundles(home) == [bundle]
+
     # A changed draft (a new package version) gets a new bundle; the stale one goes.
     config = demo_env["draft"] / "config.json"
     config.write_text(config.read_text() + "\n")

@@ -505,8 +505,6 @@ def run(args: argparse.Namespace) -> int:
     from ondevice.apps import options
     from ondevice.errors import OndeviceError
 
-    if not args.model:
-        raise OndeviceError("no model given: pass --model (a pair bundle, folder, .gguf or name).")
     if args.max_tokens < 1:
         raise OndeviceError(f"--max-tokens {args.max_tokens}: must be at least 1.")
     sampling = options.sampling_options(args)
@@ -518,6 +516,7 @@ def run(args: argparse.Namespace) -> int:
     for event in ctrl.drain():
         if event.kind == "error":
             print(f"warning: {event.text}", file=sys.stderr)
+    options.use_default_pair(args)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     ctrl.load(
         args.model,

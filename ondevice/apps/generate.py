@@ -16,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Generate text for one prompt. Text streams to stdout; statistics go to "
         "stderr. Flags follow mlx_lm.generate's names.",
     )
-    options.add_model_arguments(p.add_argument_group("models"), required=True)
+    options.add_model_arguments(p.add_argument_group("models"))
     pr = p.add_mutually_exclusive_group(required=True)
     pr.add_argument(
         "--prompt",

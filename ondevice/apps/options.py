@@ -81,15 +81,26 @@ def prompt_cache_options(args: argparse.Namespace) -> dict:
     return {"prompt_cache": args.prompt_cache, "prompt_cache_bytes": args.prompt_cache_mb << 20}
 
 
+def use_default_pair(args: argparse.Namespace) -> None:
+    """No --model (and no --draft): the catalog's default pair, as `ondevice demo` makes it
+    (pulled and converted into a bundle on first use)."""
+    if args.model:
+        return
+    if getattr(args, "draft", None):
+        raise OndeviceError("--draft needs --model: name the verifier it drafts for.")
+    from ondevice.apps.demo import ensure_bundle
+    from ondevice.models.catalog import load_catalog
+
+    pair = load_catalog().pair()
+    print(f"[ondevice] no --model: using the default pair {pair.name}", file=sys.stderr)
+    args.model = ensure_bundle(pair.name)
+
+
 def load_generator(args: argparse.Namespace) -> Generator:
     """`ondevice.load` with `add_model_arguments`' options."""
     import ondevice
 
-    if not args.model:
-        raise OndeviceError(
-            "no model given: pass --model with a pair bundle, a model folder, a .gguf file "
-            "or a model name (see `ondevice pull`)."
-        )
+    use_default_pair(args)
     return ondevice.load(
         args.model,
         draft=args.draft,
