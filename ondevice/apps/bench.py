@@ -97,10 +97,12 @@ def _models(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.model or args.verifier:
         return args.model or args.verifier, args.draft
     from ondevice.models.catalog import load_catalog
+    from ondevice.models.pull import pull
 
-    pair = load_catalog().pair()
+    pair = load_catalog().pair()  # fetched on first use, like ondevice demo
     shipped = str(pair.draft) if pair.draft is not None and pair.draft.exists() else None
-    return pair.verifier, args.draft or pair.draft_model or shipped
+    draft = args.draft or (str(pull(pair.draft_model)) if pair.draft_model else shipped)
+    return str(pull(pair.verifier)), draft
 
 
 def run(args: argparse.Namespace) -> int:
