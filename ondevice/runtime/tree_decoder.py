@@ -391,6 +391,17 @@ def make_decoder(
             token_value=float(vprof(1)) if vprof else 0.0,
         )  # fmt: skip
 
+    def chain_proposer() -> DraftTreeProposer:
+        # a one-child-per-level tree: the draft's greedy chain, as long as the cost profiles say
+        # its confidence pays (a strong draft agrees for many tokens: this is what wins then)
+        fixed = float(dprof(1)) if dprof else 0.0
+        return DraftTreeProposer(
+            state, verifier.vocab_size, params, mode="dynamic", depth=k or 8, topk=1,
+            budget=_budget(vprof, fixed),
+            expand_cost=float(dprof(1)) if dprof else 0.0,
+            token_value=float(vprof(1)) if vprof else 0.0,
+        )  # fmt: skip
+
     def pld() -> PromptLookup:
         # a fixed K: up to K tokens per branch; otherwise the cost profile sizes the proposal
         return PromptLookup(max_tokens=k or 10, budget=None if k else _budget(vprof))
@@ -413,7 +424,9 @@ def make_decoder(
         proposer = cascade()
     else:
         cands: list[Proposer] = [NoProposal(), pld()]
-        cands += [tree_proposer(), cascade()] if state is not None else [lookahead()]
+        cands += (
+            [chain_proposer(), tree_proposer(), cascade()] if state is not None else [lookahead()]
+        )
         if vprof is None:
             vprof = CostProfile([1], [1.0])  # unprofiled: every pass costs the same
         proposer = AutoProposer(cands, vprof, [state] if state is not None else [])
