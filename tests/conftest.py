@@ -1,4 +1,25 @@
+import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture
+def unfetchable_default_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A catalog whose default pair cannot be fetched here (hub only, offline): commands run
+    without --model take the default pair, which must fail clearly, never download gigabytes."""
+    catalog = {
+        "format": 2,
+        "default_model": "m",
+        "default_pair": "p",
+        "models": {"m": {"sources": [{"kind": "hub", "repo": "example/m"}]}},
+        "pairs": {"p": {"verifier": "m", "draft_model": "m"}},
+    }
+    (tmp_path / "catalog.json").write_text(json.dumps(catalog))
+    monkeypatch.setenv("ONDEVICE_CATALOG", str(tmp_path / "catalog.json"))
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return "p"

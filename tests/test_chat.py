@@ -410,21 +410,10 @@ def test_terminal_ctrl_c_stops_the_answer(models, reference):
         term.close()
 
 
-def test_chat_command_errors(tmp_path, monkeypatch, capsys):
+def test_chat_command_errors(tmp_path, unfetchable_default_pair, capsys):
     from ondevice.apps.cli import main
 
     # No --model: the catalog's default pair, which cannot be fetched here (hub only, offline).
-    catalog = {
-        "format": 2,
-        "default_model": "m",
-        "default_pair": "p",
-        "models": {"m": {"sources": [{"kind": "hub", "repo": "example/m"}]}},
-        "pairs": {"p": {"verifier": "m", "draft_model": "m"}},
-    }
-    (tmp_path / "catalog.json").write_text(json.dumps(catalog))
-    monkeypatch.setenv("ONDEVICE_CATALOG", str(tmp_path / "catalog.json"))
-    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["chat"]) == 1
     err = capsys.readouterr().err
     assert "using the default pair p" in err and "cannot fetch m" in err

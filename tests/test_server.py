@@ -469,21 +469,10 @@ def test_serve_command(tmp_path):
     assert proc.returncode == 0, err
 
 
-def test_serve_rejects_bad_options(tmp_path, monkeypatch):
+def test_serve_rejects_bad_options(tmp_path, unfetchable_default_pair):
     from ondevice.apps.cli import main
 
     assert main(["serve", "--model", str(tmp_path / "missing"), "--port", "70000"]) == 1
     # No --model means the catalog's default pair (pulled and converted on first use: a real
-    # pair, gigabytes); here a tiny catalog whose model cannot be fetched offline.
-    catalog = {
-        "format": 2,
-        "default_model": "m",
-        "default_pair": "p",
-        "models": {"m": {"sources": [{"kind": "hub", "repo": "example/m"}]}},
-        "pairs": {"p": {"verifier": "m", "draft_model": "m"}},
-    }
-    (tmp_path / "catalog.json").write_text(json.dumps(catalog))
-    monkeypatch.setenv("ONDEVICE_CATALOG", str(tmp_path / "catalog.json"))
-    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # pair, gigabytes); here one that cannot be fetched offline.
     assert main(["serve", "--port", "0"]) == 1
