@@ -9,11 +9,9 @@ Invariants at the start of a round, for the committed sequence `seq` (prompt + e
 the verifier's cache holds seq[:-1] (its last token is fed together with the drafts), and the
 draft's cache holds a prefix of seq (it catches up on the rest before proposing).
 
-Reproducibility: random numbers are keyed by (seed, position) (`noise.py`), when sampling the
-draft is fed one token at a time after the prompt (so its distribution at a position is bitwise
-the same whichever decoder built its cache), and the block lengths depend only on tokens. Greedy
-decoding catches the draft up in one call: its output is the verifier's greedy output whatever
-the draft's numbers. The pipelined
+Reproducibility: random numbers are keyed by (seed, position) (`noise.py`), the draft is always
+fed one token at a time after the prompt (so its distribution at a position is bitwise the same
+whichever decoder built its cache), and the block lengths depend only on tokens. The pipelined
 decoder (`runtime/pipeline.py`) shares `TokenChooser` and `DraftLength` with this one and so
 produces exactly its tokens for the same seed.
 """
@@ -292,14 +290,8 @@ class SpeculativeDecoder:
         t = time.perf_counter()
         valid = min(self._draft_valid, draft.length)
         draft.trim(draft.length - valid)
-        missing = seq[valid:]  # never empty: the draft has not seen the last committed token
-        if self.params.greedy:
-            # The output is the verifier's greedy output whatever the draft's numbers: catch up
-            # in one call (on a CPU two one-token steps cost ~1.8x one two-token step).
-            logits = draft.feed(missing, last_only=True)
-        else:
-            for tok in missing:  # one at a time: see the module docstring
-                logits = draft.feed([tok], last_only=True)
+        for tok in seq[valid:]:  # one at a time: see the module docstring
+            logits = draft.feed([tok], last_only=True)
         drafts: list[int] = []
         qs = []
         for i in range(k):
