@@ -23,3 +23,22 @@ def unfetchable_default_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return "p"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny verifier and a perturbed copy of it as its draft (test files may define their own)."""
+    import tiny
+
+    d = tmp_path_factory.mktemp("pair")
+    v = tiny.write_model(d / "v", layers=2, scale=1.5)
+    dr = tiny.perturbed_copy(v, d / "d", noise=0.5)
+    return v, dr
+
+
+@pytest.fixture(scope="module")
+def gen(pair: tuple[Path, Path]):
+    """`ondevice.load` of `pair`, shared by a test module."""
+    import ondevice
+
+    return ondevice.load(*pair)

@@ -90,19 +90,6 @@ def test_bad_parameters_are_named(kw, msg):
 # -- through the decoders and the API ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pair")
-    v = tiny.write_model(d / "v", layers=2, scale=1.5)
-    dr = tiny.perturbed_copy(v, d / "d", noise=0.5)
-    return v, dr
-
-
-@pytest.fixture(scope="module")
-def gen(pair):
-    return ondevice.load(*pair)
-
-
 PENALISED = dict(repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.5)
 
 

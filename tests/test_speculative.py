@@ -19,20 +19,6 @@ from ondevice.speculative import accept
 from ondevice.speculative.decoder import SpeculativeDecoder
 from ondevice.speculative.sampling import SamplingParams, Transform, probabilities
 
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pair")
-    v = tiny.write_model(d / "v", layers=2, scale=1.5)
-    dr = tiny.perturbed_copy(v, d / "d", noise=0.5)
-    return v, dr
-
-
-@pytest.fixture(scope="module")
-def gen(pair):
-    return ondevice.load(*pair)
-
-
 PROMPTS = [
     "hello world",
     "the cat sat",
