@@ -37,8 +37,12 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     cmd += ["--name", "bench", "--log-level", "warning"]
     if args.draft:
         cmd += ["--draft", args.draft, "--draft-backend", args.draft_backend]
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 300
+    return wait_until_healthy(subprocess.Popen(cmd), port, 300)
+
+
+def wait_until_healthy(proc: subprocess.Popen, port: int, timeout: float) -> subprocess.Popen:
+    """`proc` once its /health answers 200 on loopback `port`; exits if it dies or is late."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit("the server exited during start-up")
@@ -48,7 +52,7 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
         except httpx.TransportError:
             time.sleep(0.2)
     proc.kill()
-    raise SystemExit("the server did not start within 300 s")
+    raise SystemExit(f"the server did not start within {timeout:.0f} s")
 
 
 def cpu_seconds(pid: int) -> float | None:

@@ -37,6 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny  # noqa: E402  (the tests' tiny random checkpoints)
+from server_overhead import wait_until_healthy  # noqa: E402  (this folder: the script's path)
 
 CONTEXT = 1024
 MODEL = "soak"
@@ -69,18 +70,7 @@ def start_server(verifier: Path, draft: Path, port: int, args: argparse.Namespac
            str(draft), "--draft-backend", "mlx", "--port", str(port), "--name", MODEL,
            "--max-queue", str(args.max_queue), "--log-level", "error", "--read-timeout", "10",
            "--prompt-cache-mb", str(args.prompt_cache_mb)]  # fmt: skip
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit("the server exited during start-up")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the server did not start within 120 s")
+    return wait_until_healthy(subprocess.Popen(cmd), port, 120)
 
 
 def chat(content: str, max_tokens: int, **extra) -> dict:
