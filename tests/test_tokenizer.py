@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tiny
 
+from ondevice.errors import ModelFormatError
 from ondevice.models.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 
 TOOL_TEMPLATE = (
@@ -81,6 +82,12 @@ def test_sentencepiece_only_folder(tmp_path):
         assert t.encode(s) == [sp.bos_id(), *sp.encode(s)]
         assert t.decode(t.encode(s), skip_special_tokens=True) == sp.decode(sp.encode(s))
     assert t.eos_token_ids == {sp.eos_id()}
+
+
+def test_damaged_sentencepiece_model_is_named(tmp_path):
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x05not a model")
+    with pytest.raises(ModelFormatError, match=r"tokenizer\.model: not a readable SentencePiece"):
+        Tokenizer.from_dir(tmp_path)
 
 
 def test_decode_stream_equals_whole_decode_and_never_redecodes(tok, monkeypatch):

@@ -61,6 +61,8 @@ class Tokenizer:
                 f"{path}: no tokenizer.json (or SentencePiece tokenizer.model). Save the "
                 "tokenizer with transformers (`tokenizer.save_pretrained(dir)`)."
             )
+        if not (path / "tokenizer.json").exists():
+            _check_sentencepiece(path / "tokenizer.model")
         cfg: dict[str, Any] = {}
         tc = path / "tokenizer_config.json"
         if tc.exists():
@@ -283,3 +285,17 @@ def check_pair(verifier: Tokenizer, draft: Tokenizer, draft_vocab: int | None = 
             f"draft and verifier end-of-sequence tokens differ: verifier "
             f"{sorted(verifier.eos_token_ids)}, draft {sorted(draft.eos_token_ids)}."
         )
+
+
+def _check_sentencepiece(model: Path) -> None:
+    """Open a SentencePiece `tokenizer.model` with sentencepiece itself before transformers
+    converts it, so a damaged or foreign file is named as such instead of failing deep inside
+    the conversion."""
+    import sentencepiece
+
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=str(model))
+    except Exception as e:  # sentencepiece raises RuntimeError/OSError with its own text
+        raise ModelFormatError(
+            f"{model}: not a readable SentencePiece model ({e}); download the tokenizer again."
+        ) from None
