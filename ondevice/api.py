@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import atexit
-import concurrent.futures
-import queue
+import contextlib
 import threading
 import time
 import weakref
@@ -20,11 +17,13 @@ import mlx.core as mx
 from ondevice.errors import OndeviceError
 from ondevice.models import LoadedModel, load_model
 from ondevice.models.tokenizer import Tokenizer, check_pair
-from ondevice.runtime import threads
+from ondevice.results import Chunk, GenerationResult
 from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engine
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
-from ondevice.speculative.decoder import Round, SpeculativeDecoder
-from ondevice.speculative.sampling import Grammar, SamplingParams, TokenLogprob, Transform
+from ondevice.speculative.decoder import SpeculativeDecoder
+from ondevice.speculative.sampling import Grammar, SamplingParams, Transform
+from ondevice.streaming import decode_chunks
+from ondevice.worker import Worker
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 METHODS = ("chain", "tree", "pld", "lookahead", "cascade", "auto")
@@ -34,62 +33,12 @@ PIPELINE_BY_DEFAULT = ("coreml",)
 
 
 @dataclass
-class Chunk:
-    """A piece of a streamed answer: usually one token and the text it completed."""
-
-    text: str
-    tokens: list[int]
-    from_draft: bool
-    finish_reason: str | None = None
-    stats: dict[str, Any] | None = None  # set on the last chunk
-    logprobs: list[TokenLogprob] | None = None  # per token, when asked for (`logprobs=`)
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    tokens: list[int]
-    stats: dict[str, Any]
-    finish_reason: str
-
-
-@dataclass
 class _Pair:
     verifier: LoadedModel
     draft: LoadedModel | None = None
     mlpackage: Path | None = None
     draft_context: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-class _StopMatcher:
-    """Cuts text at the first stop string, holding back what could still become one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Text that is safe to emit now, and whether a stop string was found."""
-        if not self.stops:
-            return text, False
-        buf = self.pending + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.pending = ""
-            return buf[: min(hits)], True
-        hold = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(buf)), 0, -1):
-                if buf.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        self.pending = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold], False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 def _check_int(name: str, value: Any, low: int, none_ok: bool = False) -> None:
@@ -129,7 +78,7 @@ class Generator:
         # The model's generation thread: every generation runs there, so the KV caches (whose
         # MLX arrays belong to the thread's stream) outlive a call and the prompt cache can
         # reuse them. Started on first use.
-        self._worker: _Worker | None = None
+        self._worker: Worker | None = None
         self.prompt_cache = PrefixCache(prompt_cache_bytes)
         self._ll_tokenizer: Any = None  # llguidance's view of the vocabulary, for grammars
         self._fingerprints: dict[str, str] | None = None
@@ -287,51 +236,21 @@ class Generator:
                 draft = self.draft if speculative else None
                 return self._cached_stream(dec, draft, ids, max_tokens, stops, cancel, cache_prompt)
 
-            yield from self._on_worker(job, cancel)
+            yield from self._thread().iterate(job, cancel)
         finally:
             self._lock.release()
 
     # -- the generation thread and the prompt cache -----------------------------------------
 
-    def _thread(self) -> _Worker:
+    def _thread(self) -> Worker:
         if self._worker is None:
-            self._worker = _Worker("ondevice-generate")
+            self._worker = Worker("ondevice-generate")
             weakref.finalize(self, self._worker.stop)
         return self._worker
 
-    def _on_worker(self, job: Callable[[], Iterator[Chunk]], cancel: threading.Event):
-        """Run the chunks of `job()` on the model's thread and yield them here. Closing this
-        iterator cancels the generation (after its current round) and waits for its end."""
-        worker = self._thread()
-        if worker.is_current():
-            yield from job()
-            return
-        chunks: queue.SimpleQueue = queue.SimpleQueue()
-        done = object()
-
-        def work() -> None:
-            try:
-                for chunk in job():
-                    chunks.put(chunk)
-            except BaseException as e:  # delivered to the consumer
-                chunks.put(e)
-            finally:
-                chunks.put(done)
-
-        finished = worker.submit(work)
-        try:
-            while (item := chunks.get()) is not done:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            cancel.set()
-            finished.result()  # the model is free when this returns
-
     def _call(self, fn: Callable[[], Any]) -> Any:
         """fn() on the model's thread (it may touch the caches); its result or exception."""
-        worker = self._thread()
-        return fn() if worker.is_current() else worker.submit(fn).result()
+        return self._thread().call(fn)
 
     def _cached_stream(self, dec, draft, ids, max_tokens, stops, cancel, cache_prompt):
         """`_stream` from the prompt cache's longest prefix of `ids`; afterwards the caches are
@@ -468,66 +387,7 @@ class Generator:
 
     def _stream(self, dec, ids, max_tokens, stops, cancel):
         detok = self.tokenizer.detokenizer()
-        matcher = _StopMatcher(stops)
-        tokens: list[int] = []
-        mx.reset_peak_memory()
-        t0 = time.perf_counter()
-        finish = "length"
-        rounds: Iterator[Round] = dec.run(ids, max_tokens, resume=True) if max_tokens > 0 else iter(())
-        try:
-            for rnd in rounds:
-                stopped = False
-                lps = rnd.logprobs or [None] * len(rnd.tokens)
-                for tok, flag, lp in zip(rnd.tokens, rnd.from_draft, lps):
-                    tokens.append(tok)
-                    text, stopped = matcher.feed(detok.add([tok]))
-                    # a stop string's text is never emitted
-                    yield Chunk(text, [tok], flag, logprobs=None if lp is None else [lp])
-                    if stopped:
-                        break
-                if stopped:
-                    finish = "stop"
-                    break
-                if rnd.finish_reason:
-                    finish = rnd.finish_reason
-                    break
-                if cancel is not None and cancel.is_set():
-                    finish = "cancelled"
-                    break
-        finally:
-            # stop the decoder now (a pipelined one waits for its pass in flight), not at GC
-            close = getattr(rounds, "close", None)
-            if close is not None:
-                close()
-        elapsed = time.perf_counter() - t0
-        if finish != "stop" or not stops:
-            tail, _ = matcher.feed(detok.flush())
-            tail += matcher.flush()
-        else:
-            tail = ""
-        stats = self._stats(dec, len(ids), len(tokens), elapsed)
-        yield Chunk(tail, [], False, finish_reason=finish, stats=stats)
-
-    def _stats(self, dec, n_prompt: int, n_gen: int, elapsed: float) -> dict[str, Any]:
-        s = dec.stats
-        gen_time = max(elapsed - dec.time_prefill, 1e-9)
-        return {
-            "prompt_tokens": n_prompt,
-            "generation_tokens": n_gen,
-            "rounds": s.rounds,
-            "drafted": s.drafted,
-            "accepted": s.accepted,
-            "acceptance_rate": s.accepted / s.drafted if s.drafted else 0.0,
-            "mean_accepted_length": (s.accepted + s.rounds) / s.rounds if s.rounds else 0.0,
-            "tokens_per_second": n_gen / gen_time,
-            "prompt_seconds": dec.time_prefill,
-            "time_draft_s": dec.time_draft,
-            "time_verify_s": dec.time_verify,
-            "total_seconds": elapsed,
-            "peak_memory_bytes": int(mx.get_peak_memory()),
-            "draft_backend": self.draft_backend if s.drafted else None,
-            **(dec.extra_stats() if hasattr(dec, "extra_stats") else {}),
-        }
+        return decode_chunks(dec, ids, max_tokens, stops, cancel, detok, self.draft_backend)
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         text, tokens = [], []
@@ -542,80 +402,15 @@ class Generator:
     async def astream(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[Chunk]:
         """Like `stream`, run in a worker thread; never blocks the event loop. Closing the
         iterator (or cancelling its task) stops the generation after the current round."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
-        done = object()
-
-        def work() -> None:
-            try:
-                for chunk in self.stream(prompt, _cancel=cancel, **kwargs):
-                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
-                    if cancel.is_set():
-                        break
-            except BaseException as e:  # delivered to the consumer
-                loop.call_soon_threadsafe(queue.put_nowait, e)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, done)
-
         # One long-lived thread per model: a new thread per call would leave MLX's per-thread
         # streams (native threads) behind on every request, and the caches could not be kept.
-        finished = self._thread().submit(work)
-        try:
-            while True:
-                item = await queue.get()
-                if item is done:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            cancel.set()
-            # Wait for the worker to finish its round even if this task is cancelled again
-            # meanwhile (servers cancel disconnected requests): the model must be free on return.
-            joined = asyncio.wrap_future(finished)
-            cancelled = False
-            while not joined.done():
-                try:
-                    await asyncio.shield(joined)
-                except asyncio.CancelledError:
-                    cancelled = True
-            if cancelled:
-                raise asyncio.CancelledError
-
-
-class _Worker:
-    """A daemon thread that runs submitted functions one after another."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threads.start(self._loop, name)
-        # MLX aborts the process at exit if a thread that used it is still alive then.
-        atexit.register(self.stop)
-
-    def is_current(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((fn, fut))
-        return fut
-
-    def stop(self) -> None:
-        """End the thread after the work already submitted, and wait for it, native part
-        included (see `runtime.threads`: MLX aborts the process otherwise)."""
-        if not self._thread.is_alive():
-            return
-        self._jobs.put(None)
-        threads.wait_native_exit(self._thread, timeout=None)
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, fut = job
-            try:
-                fut.set_result(fn())
-            except BaseException as e:
-                fut.set_exception(e)
+        chunks = self._thread().aiterate(
+            lambda: self.stream(prompt, _cancel=cancel, **kwargs), cancel
+        )
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
 
 
 def load(
