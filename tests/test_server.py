@@ -24,7 +24,9 @@ import uvicorn
 
 import ondevice
 from ondevice.apps.serve import warm_up
-from ondevice.apps.server import Metrics, ModelSlot, OpenAIServer
+from ondevice.apps.server import OpenAIServer
+from ondevice.apps.server_metrics import Metrics
+from ondevice.apps.server_queue import ModelSlot
 
 CONTEXT = 2048
 LONG = 1500  # max_tokens of generations that must still be running when we interfere
