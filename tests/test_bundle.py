@@ -124,8 +124,8 @@ def test_mlpackage_runs_in_reference_executor(bundle_dir: Path) -> None:
     predicts like the bundle's MLX draft copy."""
     import mlx.core as mx
 
-    from ondevice.convert.executor import ReferenceModel
     from ondevice.models import load_model
+    from ondevice.runtime.mil.interpreter import ReferenceModel
 
     b = open_bundle(bundle_dir)
     desc = b.manifest["draft"]["coreml"]

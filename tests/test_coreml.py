@@ -18,11 +18,12 @@ from tiny import write_model
 
 from ondevice.convert import lint
 from ondevice.convert.coreml import convert_draft
-from ondevice.convert.executor import ReferenceModel, read_description
 from ondevice.errors import ContextLengthError, ModelFormatError, OndeviceError
 from ondevice.models import load_model
 from ondevice.runtime.coreml_engines import CoreMLDraftEngine, ReferenceDraftEngine
 from ondevice.runtime.engines import Engine
+from ondevice.runtime.mil.interpreter import ReferenceModel
+from ondevice.runtime.mil.package import read_description
 
 on_macos = pytest.mark.skipif(sys.platform != "darwin", reason="Core ML prediction needs macOS 15+")
 

@@ -26,16 +26,14 @@ from tiny import make_config, random_weights
 
 from ondevice.convert import lint
 from ondevice.convert.coreml import RANGE_LIMIT, convert_draft
-from ondevice.convert.executor import (
-    FP16_MAX,
-    ReferenceModel,
-    probe_float16_range,
-)
+from ondevice.convert.probe import probe_float16_range
 from ondevice.errors import ConversionError, ModelFormatError, OndeviceError
 from ondevice.models.config import ModelConfig
 from ondevice.models.weights import build_model
 from ondevice.runtime.coreml_engines import CoreMLDraftEngine, ReferenceDraftEngine
 from ondevice.runtime.engines import MLXEngine, make_draft_engine
+from ondevice.runtime.mil.interpreter import ReferenceModel
+from ondevice.runtime.mil.numerics import FP16_MAX
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT, CHUNK = 64, 8

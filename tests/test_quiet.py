@@ -12,7 +12,8 @@ import coremltools
 from coremltools.models import compute_plan, compute_device
 from coremltools.models.ml_program.experimental import compute_plan_utils
 import transformers
-from ondevice.convert import coreml, executor
+from ondevice.convert import coreml
+from ondevice.runtime.mil import interpreter
 import logging
 logging.getLogger("coremltools").warning("a real coremltools warning")
 """

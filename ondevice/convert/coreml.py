@@ -78,15 +78,11 @@ from typing import Any
 
 import numpy as np
 
-from ondevice.convert.executor import (
-    FORMAT_VERSION,
-    FP16_MAX,
-    METADATA_KEY,
-    RangeReport,
-    probe_float16_range,
-)
+from ondevice.convert.probe import RangeReport, probe_float16_range
 from ondevice.errors import ConversionError, ModelFormatError, OndeviceError
 from ondevice.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from ondevice.runtime.mil.numerics import FP16_MAX
+from ondevice.runtime.mil.package import FORMAT_VERSION, METADATA_KEY
 
 MAX_DIM = 16384  # the Neural Engine's largest tensor dimension
 STATE_ALIGN = 32  # state dimensions are padded to multiples of this

@@ -104,9 +104,9 @@ class Finding:
 
 
 def _program(path: str | Path):
-    from ondevice.convert.executor import _load_program
+    from ondevice.runtime.mil.package import load_program
 
-    return _load_program(Path(path))[1]
+    return load_program(Path(path))[1]
 
 
 def list_ops(path: str | Path) -> dict[str, Counter]:

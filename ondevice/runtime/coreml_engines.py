@@ -45,7 +45,7 @@ class _PackageDraftEngine:
     min_chunk_tokens = 2  # feeds of this many tokens or more use the chunk function
 
     def __init__(self, mlpackage: str | Path):
-        from ondevice.convert.executor import read_description
+        from ondevice.runtime.mil.package import read_description
 
         self.path = Path(mlpackage)
         meta = read_description(self.path)
@@ -182,7 +182,7 @@ class ReferenceDraftEngine(_PackageDraftEngine):
         super().__init__(mlpackage)
 
     def _load_functions(self, path: Path, names: Sequence[str]) -> dict[str, Any]:
-        from ondevice.convert.executor import ReferenceModel
+        from ondevice.runtime.mil.interpreter import ReferenceModel
 
         return ReferenceModel.load_functions(path, names, **self._options)
 
