@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from support.engines import TableEngine, TreeTableEngine
 from test_tree import exact  # noqa: F401  (the exact-integration fixture)
 
 from ondevice.runtime.tree_decoder import AutoProposer
@@ -26,57 +27,6 @@ from ondevice.speculative.sampling import SamplingParams
 from ondevice.speculative.tree import TokenTree
 
 V = 12
-
-
-class CycleEngine:
-    """A numpy 'model' that predicts the next token of a fixed cycle (with some spread), and
-    counts its passes and fed tokens. Good enough to check bookkeeping exactly."""
-
-    name = "cycle"
-    vocab_size = V
-    context_length = 200
-
-    def __init__(self, cycle=(5, 6, 7, 8), sharp: float = 4.0):
-        self.nxt = {a: b for a, b in zip(cycle, cycle[1:] + cycle[:1])}
-        self.sharp = sharp
-        self.seq: list[int] = []
-        self.passes = 0
-        self.fed = 0
-
-    @property
-    def length(self):
-        return len(self.seq)
-
-    def reset(self):
-        self.seq = []
-
-    def trim(self, n):
-        self.seq = self.seq[: len(self.seq) - n]
-
-    def _row(self, t):
-        row = np.zeros(V, np.float32)
-        row[self.nxt.get(t, (t + 1) % V)] = self.sharp
-        row[(t + 3) % V] = self.sharp / 2
-        return row
-
-    def feed(self, tokens, last_only=False):
-        self.passes += 1
-        self.fed += len(tokens)
-        self.seq.extend(int(t) for t in tokens)
-        rows = np.stack([self._row(t) for t in tokens])
-        return rows[-1] if last_only else rows
-
-
-class TreeCycleEngine(CycleEngine):
-    """The same, with tree passes (its output depends on the last token only, so a tree pass is
-    just the rows of the fed tokens) and keep-subset."""
-
-    def feed_masked(self, tokens, positions, visible):
-        return self.feed(tokens)
-
-    def keep(self, n_recent, indices):
-        tail = self.seq[len(self.seq) - n_recent :]
-        self.seq = self.seq[: len(self.seq) - n_recent] + [tail[i] for i in indices]
 
 
 # -- prompt lookup --------------------------------------------------------------------------------
@@ -163,25 +113,25 @@ def test_lookahead_window_layout_pool_and_update():
 
 
 def test_draft_state_reuses_the_common_prefix():
-    eng = CycleEngine()
+    eng = TableEngine.cycle()
     st = DraftState(eng, V)
     st.reset([1, 2, 3, 4])
-    assert eng.seq == [1, 2, 3] and eng.fed == 3
+    assert eng.tokens == [1, 2, 3] and eng.fed == 3
     st.sync([1, 2, 3, 4])
-    assert eng.seq == [1, 2, 3, 4] and eng.fed == 4
+    assert eng.tokens == [1, 2, 3, 4] and eng.fed == 4
     before = eng.fed
-    np.testing.assert_array_equal(st.sync([1, 2, 3, 4]), eng._row(4))  # cached, no pass
+    np.testing.assert_array_equal(st.sync([1, 2, 3, 4]), eng.row([4]))  # cached, no pass
     assert eng.fed == before
     st.sync([1, 2, 9, 9, 9])  # diverges after two tokens: trims and feeds only the rest
-    assert eng.seq == [1, 2, 9, 9, 9] and eng.fed == before + 3
+    assert eng.tokens == [1, 2, 9, 9, 9] and eng.fed == before + 3
     st.sync([1, 2, 9])  # a prefix: re-feeds the last token for its logits
-    assert eng.seq == [1, 2, 9] and eng.fed == before + 4
+    assert eng.tokens == [1, 2, 9] and eng.fed == before + 4
     st.reset([1, 2, 9, 7])  # a second reset (another proposer sharing it) costs nothing new
-    assert eng.seq == [1, 2, 9]
+    assert eng.tokens == [1, 2, 9]
 
 
 def test_static_and_chain_trees_from_the_draft():
-    eng = CycleEngine()
+    eng = TableEngine.cycle()
     prop = DraftTreeProposer(
         eng, V, SamplingParams(), mode="static", shape=[(0,), (1,), (0, 0), (0, 0, 0)]
     )
@@ -196,7 +146,7 @@ def test_static_and_chain_trees_from_the_draft():
 
 
 def test_dynamic_tree_keeps_the_most_probable_nodes():
-    eng = TreeCycleEngine()
+    eng = TreeTableEngine.cycle()
     prop = DraftTreeProposer(eng, V, SamplingParams(), mode="dynamic", depth=3, topk=2, budget=4)
     prop.reset([5, 6])
     tree = prop.propose([5, 6], 5, np.random.default_rng(0))
@@ -206,14 +156,38 @@ def test_dynamic_tree_keeps_the_most_probable_nodes():
     # every kept node's ancestors are kept (subtree), and the draft cache commits the path
     assert tree.path_tokens(3) == [7, 8]
     prop.observe([5, 6], tree, tree.path(3), 0, np.zeros(len(tree), int))
-    assert prop.state.tokens == eng.seq == [5, 6, 7, 8]  # only the accepted path stays cached
+    assert prop.state.tokens == eng.tokens == [5, 6, 7, 8]  # only the accepted path stays cached
+
+
+def test_dynamic_tree_grows_only_as_deep_as_the_costs_pay():
+    """A confident chain: on a CPU-like profile (a pass over 3 tokens costs far more than over
+    2) the draft is not asked for levels the verifier pass could not afford to check; on a
+    flat, GPU-like profile it grows to its full depth."""
+    from ondevice.runtime.tree_decoder import _rate
+
+    steep = CostProfile([1, 2, 3, 4], [0.26, 0.28, 0.39, 0.49])  # measured 1.5B, MKL, 2 cores
+    flat = CostProfile([1, 64], [0.26, 0.27])
+    grown = {}
+    for name, prof in (("steep", steep), ("flat", flat)):
+        eng = TreeTableEngine.cycle(sharp=12.0)  # the draft is sure of the cycle
+        prop = DraftTreeProposer(
+            eng, V, SamplingParams(), mode="dynamic", depth=6, topk=1,
+            budget=lambda v, p=prof: best_size(v, p, 0.084), expand_cost=0.084,
+            rate=_rate(prof, 0.084),
+        )  # fmt: skip
+        prop.reset([5, 6])
+        passes = eng.passes
+        tree = prop.propose([5, 6], 8, np.random.default_rng(0))
+        grown[name] = (eng.passes - passes, tree.size)
+    # steep: the catch-up pass only, one draft checked; flat: five expansions, six drafts
+    assert grown == {"steep": (1, 1), "flat": (6, 6)}
 
 
 # -- cascade -----------------------------------------------------------------------------------------
 
 
 def _draft_greedy(prompt, n):
-    eng = CycleEngine()
+    eng = TableEngine.cycle()
     seq = list(prompt)
     for _ in range(n):
         seq.append(int(np.argmax(eng.feed(seq[-1:], last_only=True))))
@@ -221,7 +195,7 @@ def _draft_greedy(prompt, n):
 
 
 def test_cascade_greedy_chain_is_the_drafts_own_and_lookup_saves_passes():
-    eng = CycleEngine()
+    eng = TableEngine.cycle()
     prompt = [5, 6, 7, 8, 5, 6]  # the text already shows the cycle: lookups are right
     casc = CascadeProposer(eng, V, SamplingParams(), budget=6)
     casc.reset(prompt)
@@ -241,7 +215,7 @@ def test_cascade_draft_step_samples_exactly_the_draft(exact):  # noqa: F811
     """The draft-side rule (accept the lookup's guess g with q(g), else sample q without g)
     emits exactly q, for every guess."""
     q = np.array([0.1, 0.5, 0.15, 0.25])
-    casc = CascadeProposer(CycleEngine(), 4, SamplingParams(1.0))
+    casc = CascadeProposer(TableEngine.cycle(), 4, SamplingParams(1.0))
     for g in (None, 0, 1, 3):
         law = Counter()
         for (x, _), pr in exact(lambda r, g=g: casc._step(q, g, r)).items():
@@ -276,7 +250,8 @@ def _drive(auto, rounds):
     seq = [1]
     for _ in range(rounds):
         tree = auto.propose(seq, 10, np.random.default_rng(0))
-        good = getattr(auto.proposers[auto._current], "good", 0)
+        current = next(p for p in auto.proposers if p.name == auto.last_name)
+        good = getattr(current, "good", 0)
         auto.observe(seq, tree, tree.path(good) if good else [], 0, np.zeros(len(tree), int))
 
 
@@ -324,7 +299,7 @@ def test_best_size_trades_acceptance_for_cost():
 
 def test_profile_is_measured_once_and_cached_per_device_and_model(tmp_path, monkeypatch):
     monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
-    eng = CycleEngine()
+    eng = TableEngine.cycle()
     p1 = load_profile(eng, sizes=(1, 2, 4))
     files = list((tmp_path / "profiles").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["sizes"] == [1, 2, 4]
@@ -336,7 +311,7 @@ def test_profile_is_measured_once_and_cached_per_device_and_model(tmp_path, monk
     load_profile(eng, sizes=(1, 2, 4))
     assert eng.fed > fed  # unreadable: measured again (and rewritten atomically)
     assert CostProfile.from_json(json.loads(files[0].read_text())).sizes == [1, 2, 4]
-    assert load_profile(CycleEngine(), measure_if_missing=False) is not None
-    other = CycleEngine()
+    assert load_profile(TableEngine.cycle(), measure_if_missing=False) is not None
+    other = TableEngine.cycle()
     other.vocab_size = 99
     assert engine_key(other) != engine_key(eng)

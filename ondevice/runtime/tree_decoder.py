@@ -22,7 +22,7 @@ import numpy as np
 
 from ondevice.errors import ContextLengthError, OndeviceError
 from ondevice.runtime.engines import MLXEngine
-from ondevice.runtime.treecost import CostProfile, best_size, load_profile
+from ondevice.runtime.treecost import CostProfile, best_rate, best_size, load_profile
 from ondevice.speculative.decoder import DecodeStats, Round, SpeculativeDecoder
 from ondevice.speculative.engine import Engine, prefill
 from ondevice.speculative.proposers import (
@@ -178,9 +178,7 @@ class TreeDecoder:
         state = self.draft_state
         return len(state.tokens) if state is not None and state.tokens is not None else 0
 
-    def run(
-        self, prompt: Sequence[int], max_tokens: int, resume: bool = False
-    ) -> Iterator[Round]:
+    def run(self, prompt: Sequence[int], max_tokens: int, resume: bool = False) -> Iterator[Round]:
         """Rounds of tokens after `prompt`. resume: the engines' caches already hold a prefix
         of the prompt (see `prefill`)."""
         seq = list(prompt)
@@ -321,6 +319,16 @@ def _budget(
     return lambda values: best_size(np.asarray(values)[:cap], verify, fixed, per_node)
 
 
+def _rate(
+    verify: CostProfile | None, fixed: float = 0.0, cap: int = 64
+) -> Callable[[np.ndarray, float], float] | None:
+    """The best tokens per second over candidate values after `spent` seconds of drafting
+    beyond `fixed` (None without a profile: trees then grow to their full depth)."""
+    if verify is None:
+        return None
+    return lambda values, spent: best_rate(np.asarray(values)[:cap], verify, fixed + spent)[1]
+
+
 def lookahead_size(verify: CostProfile | None, k: int | None = None) -> dict[str, int]:
     """Window, n-gram and candidate counts for lookahead decoding. The pass carries
     1 + (window + candidates) * (ngram - 1) tokens; on hardware where a pass costs about the same
@@ -388,7 +396,7 @@ def make_decoder(
             state, verifier.vocab_size, params, mode="dynamic", depth=depth, topk=topk,
             budget=_budget(vprof, fixed),
             expand_cost=float(dprof(topk)) if dprof else 0.0,
-            token_value=float(vprof(1)) if vprof else 0.0,
+            rate=_rate(vprof, fixed),
         )  # fmt: skip
 
     def chain_proposer() -> DraftTreeProposer:
@@ -399,7 +407,7 @@ def make_decoder(
             state, verifier.vocab_size, params, mode="dynamic", depth=k or 8, topk=1,
             budget=_budget(vprof, fixed),
             expand_cost=float(dprof(1)) if dprof else 0.0,
-            token_value=float(vprof(1)) if vprof else 0.0,
+            rate=_rate(vprof, fixed),
         )  # fmt: skip
 
     def pld() -> PromptLookup:

@@ -23,7 +23,9 @@ import numpy as np
 
 from ondevice.speculative.engine import Engine
 
-SIZES = (1, 2, 4, 8, 16, 32, 64)
+# Small sizes finely (on a CPU the choice between 1, 2 and 3 drafts hinges on them), large ones
+# coarsely (only a GPU, where a pass costs about the same up to dozens of tokens, reaches them).
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 FORMAT = 1
 
 
@@ -92,8 +94,12 @@ def device_name() -> str:
         backend = str(mx.default_device())
     except ImportError:  # pragma: no cover - mlx is a dependency
         backend = "?"
-    # On Linux the BLAS behind MLX's CPU backend changes costs several-fold (see DESIGN.md).
-    blas = Path(os.environ.get("LD_PRELOAD", "").split(":")[0]).name
+    # On Linux the BLAS behind MLX's CPU backend changes costs several-fold (see DESIGN.md):
+    # the one ondevice opened (`runtime/blas.py`) or the one the user preloaded.
+    from ondevice.runtime import blas as blas_lib
+
+    opened = blas_lib.enable() or os.environ.get("LD_PRELOAD", "").split(":")[0]
+    blas = Path(opened).name if opened else ""
     threads = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
     if blas and threads:
         blas += f" x{threads}"
@@ -139,8 +145,11 @@ def measure(
     *,
     context: int = 256,
     repeats: int = 7,
+    budget_s: float = 30.0,
 ) -> CostProfile:
-    """Time `engine.feed` of n tokens after a `context`-token prefix (median of `repeats`).
+    """Time `engine.feed` of n tokens after a `context`-token prefix (median of `repeats`, or of
+    at least 3 when the repeats would take longer than `budget_s`: a 1.5B model on a 2-core CPU
+    takes 12 s per round of sizes).
 
     Sizes are interleaved within each repeat, so a change in load during the measurement (other
     processes on the machine) affects every size alike instead of skewing some of them."""
@@ -150,7 +159,10 @@ def measure(
     engine.reset()
     engine.feed(toks[:context], last_only=True)
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    start = time.perf_counter()
     for rep in range(repeats + 1):
+        if rep > 3 and time.perf_counter() - start > budget_s:
+            break
         for n in sizes:
             block = toks[context : context + n]
             t = time.perf_counter()
@@ -188,15 +200,24 @@ def load_profile(
     return prof
 
 
-def best_size(
+def best_rate(
     values: np.ndarray, verify: CostProfile, fixed: float = 0.0, per_node: float = 0.0
-) -> int:
-    """How many proposals to verify: values[i] is the (estimated) probability that the i-th best
-    proposal is accepted, so verifying the best n yields 1 + sum(values[:n]) tokens per pass on
-    average, at cost fixed + per_node * n (drafting) + verify(n + 1). Returns the n that
-    maximises tokens per second."""
+) -> tuple[int, float]:
+    """How many proposals to verify, and the tokens per second that gives: values[i] is the
+    (estimated) probability that the i-th best proposal is accepted, so verifying the best n
+    yields 1 + sum(values[:n]) tokens per pass on average, at cost fixed + per_node * n
+    (drafting) + verify(n + 1). Returns the n that maximises tokens per second, and that rate."""
     vals = np.sort(np.asarray(values, np.float64))[::-1]
     n = np.arange(len(vals) + 1)
     gain = 1.0 + np.concatenate([[0.0], np.cumsum(vals)])
     cost = fixed + per_node * n + np.asarray(verify(n + 1))
-    return int(np.argmax(gain / cost))
+    rate = gain / np.maximum(cost, 1e-12)
+    best = int(np.argmax(rate))
+    return best, float(rate[best])
+
+
+def best_size(
+    values: np.ndarray, verify: CostProfile, fixed: float = 0.0, per_node: float = 0.0
+) -> int:
+    """The n of `best_rate`."""
+    return best_rate(values, verify, fixed, per_node)[0]

@@ -50,6 +50,9 @@ class Proposer(Protocol):
 
 
 BudgetFn = Callable[[np.ndarray], int]
+# (acceptance estimates of the candidate nodes, seconds of drafting spent) -> the best tokens per
+# second a verifier pass over some of them can give (see `runtime/treecost.best_rate`)
+RateFn = Callable[[np.ndarray, float], float]
 
 
 def fixed_budget(n: int) -> BudgetFn:
@@ -218,8 +221,10 @@ class DraftTreeProposer:
         probabilities along its path, calibrated per depth by the acceptance actually observed
         (a weak draft is overconfident). The verifier then sees the best `budget(values)` nodes
         (a node never scores above its parent, so the best N form a tree). Growth stops early
-        when the next level's expected accepted tokens, worth `token_value` seconds each, no
-        longer pay for a draft pass of `expand_cost` seconds.
+        when even an optimistic next level (each frontier node's best child as likely to be
+        accepted as the node itself) would not raise the round's tokens per second, `rate`
+        (values, seconds of drafting so far) -> best tokens per second over the values, after
+        a draft pass of `expand_cost` seconds. Without `rate` every level is grown.
     mode "static": the tree `shape` (rank paths, see tree.py) filled with the draft's ranked
         children, or with i.i.d. draft samples when `sampled` (SpecInfer).
     mode "chain": a static shape of one path of length `budget`.
@@ -241,7 +246,7 @@ class DraftTreeProposer:
         shape: Sequence[Sequence[int]] = CHAIN_4,
         sampled: bool = False,
         expand_cost: float = 0.0,
-        token_value: float = 0.0,
+        rate: RateFn | None = None,
         name: str = "tree",
     ):
         if mode not in ("dynamic", "static", "chain"):
@@ -258,7 +263,7 @@ class DraftTreeProposer:
         self.budget = fixed_budget(budget) if isinstance(budget, int) else budget
         self.shape = check_shape(shape)
         self.sampled = sampled and not params.greedy
-        self.expand_cost, self.token_value = expand_cost, token_value
+        self.expand_cost, self.rate = expand_cost, rate
         # per depth: summed predicted acceptance of the verified nodes, and rounds that accepted
         # that deep (prior: one round of perfect calibration)
         self.predicted = np.ones(depth + 2)
@@ -309,6 +314,7 @@ class DraftTreeProposer:
         dists = {0: self._dist(root_logits, cand, 0)}
         frontier = [0]
         depth = min(self.depth, max_depth)
+        drafting = 0.0  # seconds of draft passes this round beyond the catch-up
         for level in range(1, depth + 1):
             grown = []
             c = self.calibration(level)
@@ -324,10 +330,14 @@ class DraftTreeProposer:
             if level == depth or not grown:
                 break
             frontier = sorted(grown, key=lambda n: -value[n])[: self.topk]
-            # the next level can add at most the frontier's (calibrated) value in tokens
-            gain = sum(value[n] for n in frontier) * self.calibration(level + 1) / max(c, 1e-9)
-            if gain * self.token_value < self.expand_cost:
-                break
+            if self.rate is not None:
+                # a child is never more likely than its parent (up to the depth's calibration)
+                ratio = min(1.0, self.calibration(level + 1) / max(c, 1e-9))
+                now = np.array(value[1:])
+                later = np.concatenate([now, [value[n] * ratio for n in frontier]])
+                if self.rate(later, drafting + self.expand_cost) <= self.rate(now, drafting):
+                    break
+            drafting += self.expand_cost
             for node, row in zip(frontier, self.state.expand(cand, frontier)):
                 dists[node] = self._dist(row, cand, node)
         vals = np.array(value[1:])
