@@ -18,15 +18,10 @@ import pytest
 import tiny
 
 import ondevice
-from ondevice.apps.chat import (
-    ChatController,
-    ChatEvent,
-    ChatState,
-    Settings,
-    format_stats,
-    human_size,
-    installed_bundles,
-)
+from ondevice.apps.chat_controller import ChatController, ChatEvent, ChatState, Settings
+from ondevice.apps.formatting import format_stats
+from ondevice.apps.installed import installed_bundles
+from ondevice.models.sizes import human_size
 
 CONTEXT = 8192  # room for the terminal test's long answers
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,10 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def write_model(path: Path, seed: int = 0, context: int = CONTEXT) -> Path:
     """A tiny model whose EOS logit is always 0: greedy answers run to max_tokens, so the
     tests decide when an answer ends."""
-    cfg = tiny.make_config(max_position_embeddings=context)
-    weights = tiny.random_weights(cfg, seed=seed, scale=2.0)
-    weights["lm_head.weight"][tiny.EOS_ID] = 0.0
-    return tiny.write_model(path, weights=weights, max_position_embeddings=context)
+    return tiny.write_endless_model(path, seed=seed, scale=2.0, context=context)
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +268,7 @@ def test_installed_bundles_and_formatting(tmp_path):
     (tmp_path / "not-a-bundle").mkdir()
     found = installed_bundles(tmp_path)
     assert [(b.name, b.size_bytes) for b in found] == [("a-pair", 12), ("b-pair", 1502)]
-    assert [human_size(n) for n in (12, 1502, 3.2e9)] == ["12 B", "1.5 KB", "3.2 GB"]
+    assert [human_size(n) for n in (12, 1502, 3.2e9)] == ["12 B", "1.5 KB", "3.0 GB"]  # binary units
     assert format_stats(None) == "no answer yet"
 
 

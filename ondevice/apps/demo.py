@@ -130,7 +130,7 @@ def ensure_bundle(pair_name: str | None = None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     import ondevice
-    from ondevice.apps.generate import format_stats
+    from ondevice.apps.formatting import format_stats
 
     bundle = ensure_bundle(args.pair)
     t = time.perf_counter()

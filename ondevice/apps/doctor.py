@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ondevice.models.sizes import human_size as human
 from ondevice.runtime import blas
 
 _BLAS_SYMBOL = "cblas_sgemm"  # what libmlx calls for float32 matrix products
@@ -304,15 +305,6 @@ def _tree_size(path: Path) -> int:
 
 
 # -- rendering ---------------------------------------------------------------------------------
-
-
-def human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GB"
 
 
 def render(r: dict[str, Any]) -> str:

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from ondevice.apps.formatting import format_stats
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from ondevice.apps import options
@@ -82,18 +84,3 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     print(format_stats(stats), file=sys.stderr)
     return 0
-
-
-def format_stats(s: dict) -> str:
-    line = (
-        f"{s['generation_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, "
-        f"prompt {s['prompt_tokens']} tokens in {s['prompt_seconds']:.2f}s"
-    )
-    if s.get("cached_tokens"):
-        line += f" ({s['cached_tokens']} from the prompt cache)"
-    if s.get("drafted"):
-        line += (
-            f", acceptance {s['acceptance_rate']:.0%}, {s['mean_accepted_length']:.2f} "
-            f"tokens/pass (draft: {s['draft_backend']})"
-        )
-    return line

@@ -1,7 +1,7 @@
 """`ondevice-menubar`: a macOS menu-bar chat, a thin rumps shell over `ChatController`.
 
 All behaviour (history, streaming, stop, model switching, persistence, errors, statistics) lives
-in `ondevice.apps.chat.ChatController`, which is tested on Linux. This module only draws: the
+in `ondevice.apps.chat_controller.ChatController`, which is tested on Linux. This module only draws: the
 status item, menus, the prompt window (rumps) and the streaming answer panel (AppKit through
 PyObjC, as rumps has no text panel). Generation and loading run in the controller's worker
 thread; a `rumps.Timer` on the main thread drains the controller's event queue, so every UI
@@ -49,14 +49,10 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 
 from pathlib import Path
 
-from ondevice.apps.chat import (
-    ChatController,
-    ChatState,
-    InstalledModel,
-    format_stats,
-    human_size,
-    installed_bundles,
-)
+from ondevice.apps.chat_controller import ChatController, ChatState
+from ondevice.apps.formatting import format_stats
+from ondevice.apps.installed import InstalledModel, installed_bundles
+from ondevice.models.sizes import human_size
 
 TITLES = {  # the status item's text for each controller state
     ChatState.IDLE: "◯",
