@@ -9,7 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import tiny
-from stats_util import TableEngine, chi_square_p, exact_joint
+from support.engines import MemoEngine, TableEngine
+from support.stats import chi_square_p, exact_joint
 
 import ondevice
 from ondevice.errors import OndeviceError
@@ -36,7 +37,9 @@ def tok16(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def grammar16(tok16):
-    return Grammar.lark(ll_tokenizer(tok16._tok, 16, [tiny.EOS_ID]), LARK, 16, [tiny.EOS_ID])
+    return Grammar.lark(
+        ll_tokenizer(tok16.hf.backend_tokenizer, 16, [tiny.EOS_ID]), LARK, 16, [tiny.EOS_ID]
+    )
 
 
 def _ids(mask):
@@ -62,7 +65,7 @@ def test_masks_follow_the_grammar_in_any_order(grammar16):
 
 
 def test_bad_grammars_are_clear_errors(tok16):
-    llt = ll_tokenizer(tok16._tok, 16, [tiny.EOS_ID])
+    llt = ll_tokenizer(tok16.hf.backend_tokenizer, 16, [tiny.EOS_ID])
     with pytest.raises(GrammarError):
         Grammar.lark(llt, "start: (", 16, [tiny.EOS_ID])
     with pytest.raises(GrammarError):
@@ -226,12 +229,8 @@ def test_a_verifier_that_ignores_the_mask_fails(tables, grammar16, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dynamic", "sampled"])
 def test_constrained_tree_matches_the_masked_law(tmp_path, grammar16, mode):
-    from test_tree import MemoTreeEngine
-
-    kw = dict(vocab_size=16, hidden_size=32, heads=2, kv_heads=1, intermediate=64, layers=1)
-    v = tiny.write_model(tmp_path / "v", scale=0.6, **kw)
-    d = tiny.perturbed_copy(v, tmp_path / "d", noise=0.8)
-    ver, dra = MemoTreeEngine(load_model(v).model), MemoTreeEngine(load_model(d).model)
+    v, d = tiny.write_small_vocab_pair(tmp_path)
+    ver, dra = MemoEngine(load_model(v).model), MemoEngine(load_model(d).model)
     params = SamplingParams(1.0, grammar=grammar16)
     dec = make_decoder("tree", ver, dra, params, seed=7, num_draft_tokens=2, profile=False,
                        tree_mode=mode)  # fmt: skip
@@ -246,13 +245,4 @@ def test_constrained_tree_matches_the_masked_law(tmp_path, grammar16, mode):
 
     counts = _joint(tree, N // 2)
     assert dec.stats.accepted > 0
-    table = np.zeros((16, 16))
-    ver.reset()
-    from ondevice.speculative.sampling import Transform
-
-    tf = Transform(params, 16)
-    tf.start(PROMPT)
-    p1 = tf.probs(ver.row(PROMPT), PROMPT)
-    for a in np.flatnonzero(p1):
-        table[a] = p1[a] * tf.probs(ver.row([*PROMPT, int(a)]), [*PROMPT, int(a)])
-    assert _p(counts, table) > 0.001
+    assert _p(counts, exact_joint(ver, PROMPT, params)) > 0.001

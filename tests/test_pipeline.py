@@ -10,11 +10,12 @@ import time
 import numpy as np
 import pytest
 import tiny
-from stats_util import TableEngine, chi_square_p, exact_joint
+from support.engines import TableEngine
+from support.stats import chi_square_p, exact_joint
 
 from ondevice.models import load_model
 from ondevice.runtime.costmodel import CostModel
-from ondevice.runtime.engines import MLXEngine
+from ondevice.runtime.engines import MLXEngine, TimedEngine
 from ondevice.runtime.pipeline import PipelinedDecoder
 from ondevice.speculative.decoder import SpeculativeDecoder
 from ondevice.speculative.sampling import SamplingParams
@@ -47,28 +48,17 @@ def _alone(engine: MLXEngine, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-class Slow:
+class Slow(TimedEngine):
     """An engine that takes `delay` seconds longer per call: changes how the two engines'
     work interleaves, never what they compute."""
 
     def __init__(self, engine, delay: float):
-        self.engine, self.delay = engine, delay
-        self.name, self.vocab_size = engine.name, engine.vocab_size
-        self.context_length = engine.context_length
-
-    @property
-    def length(self) -> int:
-        return self.engine.length
-
-    def reset(self) -> None:
-        self.engine.reset()
+        super().__init__(engine)
+        self.delay = delay
 
     def feed(self, tokens, last_only=False):
         time.sleep(self.delay)
-        return self.engine.feed(tokens, last_only)
-
-    def trim(self, n: int) -> None:
-        self.engine.trim(n)
+        return super().feed(tokens, last_only)
 
 
 @pytest.fixture(scope="module")
@@ -308,10 +298,16 @@ def test_a_closed_stream_leaves_no_thread_and_no_work(engines):
 
 def test_extra_stats(engines):
     pipe = PipelinedDecoder(engines["verifier"], engines["near"], GREEDY, eos_token_ids=[EOS])
+    start = time.perf_counter()
     _tokens(pipe, _prompts(1, seed=9)[0], 30)
+    wall = time.perf_counter() - start
     s = pipe.extra_stats()
     assert 0 <= s["overlap"] <= 1
-    assert s["draft_idle_s"] >= 0 and s["verify_idle_s"] >= 0
+    # an engine's idle and busy times share the decoding's wall time, and the time both engines
+    # are busy (the overlap) lies within either one's busy time
+    for idle, busy in ((s["draft_idle_s"], pipe.time_draft), (s["verify_idle_s"], pipe.time_verify)):
+        assert 0 < busy and idle + busy <= wall + 1e-6
+        assert s["overlap"] * (idle + busy) <= busy + 1e-6
     assert s["wasted_drafts"] >= 0 and s["pipelined"] is True
     seq = SpeculativeDecoder(engines["verifier"], engines["near"], GREEDY, eos_token_ids=[EOS])
     _tokens(seq, _prompts(1, seed=9)[0], 30)

@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tiny
-from scipy.stats import chi2
+from support.engines import MemoEngine
+from support.stats import chi_square_p
 
 import ondevice
 from ondevice.errors import ContextLengthError, OndeviceError, TokenizerMismatchError
-from ondevice.runtime.engines import MLXEngine
+from ondevice.models import load_model
 from ondevice.speculative import accept
 from ondevice.speculative.decoder import SpeculativeDecoder
 from ondevice.speculative.sampling import SamplingParams, Transform, probabilities
@@ -329,44 +330,6 @@ def test_sampling_transform():
 # -- end to end: the distribution of the first two tokens ----------------------------------------
 
 
-class MemoEngine:
-    """The real MLX engine, with its answers memoised per token prefix.
-
-    The decoder under test runs unchanged; the model is simply never asked twice for the same
-    prefix, which makes tens of thousands of samples affordable."""
-
-    def __init__(self, engine: MLXEngine):
-        self.engine = engine
-        self.name, self.vocab_size = engine.name, engine.vocab_size
-        self.context_length = engine.context_length
-        self.seq: list[int] = []
-        self.memo: dict[tuple[int, ...], np.ndarray] = {}
-
-    @property
-    def length(self):
-        return len(self.seq)
-
-    def reset(self):
-        self.seq = []
-
-    def trim(self, n):
-        self.seq = self.seq[: len(self.seq) - n]
-
-    def _row(self, prefix):
-        key = tuple(prefix)
-        if key not in self.memo:
-            self.engine.reset()
-            self.memo[key] = self.engine.feed(list(key), last_only=True)
-        return self.memo[key]
-
-    def feed(self, tokens, last_only=False):
-        rows = []
-        for t in tokens:
-            self.seq.append(t)
-            rows.append(self._row(self.seq))
-        return rows[-1] if last_only else np.stack(rows)
-
-
 def _joint_counts(verifier, draft, params, prompt, n, rule=None, k=3):
     counts: Counter = Counter()
     for s in range(n):
@@ -388,47 +351,10 @@ def _exact_joint(verifier, params, prompt):
     }
 
 
-def _chi2_pvalue(counts, expected, n):
-    """Pearson chi-square over cells with enough expected mass; rare cells pooled into one."""
-    obs, exp = [], []
-    rest_o = rest_e = 0.0
-    for cell, pr in expected.items():
-        if pr * n >= 5:
-            obs.append(counts.get(cell, 0))
-            exp.append(pr * n)
-        else:
-            rest_o += counts.get(cell, 0)
-            rest_e += pr * n
-    outside = n - sum(obs) - rest_o  # samples in cells of expected probability zero
-    if outside:
-        return 0.0
-    if rest_e > 0:
-        obs.append(rest_o)
-        exp.append(rest_e)
-    obs, exp = np.array(obs), np.array(exp)
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(chi2.sf(stat, len(obs) - 1))
-
-
 @pytest.fixture(scope="module")
 def small_vocab_pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sv")
-    v = tiny.write_model(
-        d / "v",
-        vocab_size=16,
-        hidden_size=32,
-        heads=2,
-        kv_heads=1,
-        intermediate=64,
-        layers=1,
-        scale=0.6,
-    )
-    dr = tiny.perturbed_copy(v, d / "d", noise=0.8)
-    from ondevice.models import load_model
-
-    ver = MemoEngine(MLXEngine(load_model(v).model))
-    dra = MemoEngine(MLXEngine(load_model(dr).model))
-    return ver, dra
+    v, dr = tiny.write_small_vocab_pair(tmp_path_factory.mktemp("sv"))
+    return MemoEngine(load_model(v).model), MemoEngine(load_model(dr).model)
 
 
 N_SAMPLES = 20_000
@@ -458,7 +384,7 @@ def test_speculative_sampling_matches_verifier_distribution(small_vocab_pair, pa
     ver, dra = small_vocab_pair
     counts = _joint_counts(ver, dra, params, PROMPT, N_SAMPLES)
     expected = _exact_joint(ver, params, PROMPT)
-    assert _chi2_pvalue(counts, expected, N_SAMPLES) > 0.001
+    assert chi_square_p(counts, expected) > 0.001
 
 
 @pytest.mark.slow
@@ -470,7 +396,7 @@ def test_a_biased_rule_fails_the_distribution_test(small_vocab_pair):
         return len(drafts), accept.sample(p[len(drafts)], rng)
 
     counts = _joint_counts(ver, dra, params, PROMPT, N_SAMPLES, rule=accept_everything)
-    assert _chi2_pvalue(counts, _exact_joint(ver, params, PROMPT), N_SAMPLES) < 1e-6
+    assert chi_square_p(counts, _exact_joint(ver, params, PROMPT)) < 1e-6
 
 
 @pytest.mark.slow
@@ -485,7 +411,7 @@ def test_a_verifier_blind_to_drafted_tokens_fails_the_distribution_test(
     params = TRANSFORMS["frequency"]
     monkeypatch.setattr(decoder, "chain_paths", lambda drafts: [[]] * (len(drafts) + 1))
     counts = _joint_counts(ver, dra, params, PROMPT, N_SAMPLES)
-    assert _chi2_pvalue(counts, _exact_joint(ver, params, PROMPT), N_SAMPLES) < 1e-6
+    assert chi_square_p(counts, _exact_joint(ver, params, PROMPT)) < 1e-6
 
 
 def test_load_in_one_thread_generate_in_another(pair):

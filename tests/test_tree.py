@@ -8,11 +8,11 @@ import itertools
 import json
 from collections import Counter
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import tiny
-from scipy.stats import chi2
+from support.engines import MemoEngine
+from support.stats import chi_square_p
 
 import ondevice.speculative.proposers as proposers_mod
 import ondevice.speculative.tree as tree_mod
@@ -507,74 +507,10 @@ def test_bad_method_and_missing_draft_are_clear(models):
 # -- sampling: the joint law of the first two tokens -----------------------------------------------
 
 
-class MemoTreeEngine:
-    """The real MLX model as a tree-capable engine whose answers are memoised per context.
-
-    The engine keeps the token sequence of its cache; a token's output is the model's output
-    after the tokens it can see (in cache order), which is exactly what a tree pass computes
-    (the tree pass itself is checked against sequential passes above). The decoder and proposers
-    under test run unchanged; the model is just never asked twice about the same context."""
-
-    name = "memo"
-
-    def __init__(self, model):
-        self.model = model
-        self.vocab_size = model.config.vocab_size
-        self.context_length = 512
-        self.seq: list[int] = []
-        self.memo: dict[tuple[int, ...], np.ndarray] = {}
-
-    @property
-    def length(self):
-        return len(self.seq)
-
-    def reset(self):
-        self.seq = []
-
-    def trim(self, n):
-        self.seq = self.seq[: len(self.seq) - n]
-
-    def keep(self, n_recent, indices):
-        tail = self.seq[len(self.seq) - n_recent :]
-        self.seq = self.seq[: len(self.seq) - n_recent] + [tail[i] for i in indices]
-
-    def row(self, context) -> np.ndarray:
-        key = tuple(context)
-        if key not in self.memo:
-            logits = np.array(self.model(mx.array([list(key)]))[0].astype(mx.float32))
-            for i in range(len(key)):  # one pass answers every prefix
-                self.memo.setdefault(key[: i + 1], logits[i])
-        return self.memo[key]
-
-    def feed(self, tokens, last_only=False):
-        rows = []
-        for t in tokens:
-            self.seq.append(int(t))
-            rows.append(self.row(self.seq))
-        return rows[-1] if last_only else np.stack(rows)
-
-    def feed_masked(self, tokens, positions, visible):
-        n_old = len(self.seq)
-        L = len(tokens)
-        if visible.shape[1] == L:
-            visible = np.concatenate([np.ones((L, n_old), bool), visible], 1)
-        allseq = self.seq + [int(t) for t in tokens]
-        rows = []
-        for i in range(L):
-            ctx = [allseq[j] for j in np.flatnonzero(visible[i])]
-            assert len(ctx) - 1 == positions[i], "positions disagree with the visible path"
-            rows.append(self.row(ctx))
-        self.seq = allseq
-        return np.stack(rows)
-
-
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sv")
-    kw = dict(vocab_size=16, hidden_size=32, heads=2, kv_heads=1, intermediate=64, layers=1)
-    v = tiny.write_model(d / "v", scale=0.6, **kw)
-    dr = tiny.perturbed_copy(v, d / "d", noise=0.8)
-    return MemoTreeEngine(load_model(v).model), MemoTreeEngine(load_model(dr).model)
+    v, dr = tiny.write_small_vocab_pair(tmp_path_factory.mktemp("sv"))
+    return MemoEngine(load_model(v).model), MemoEngine(load_model(dr).model)
 
 
 N_SAMPLES = 20_000
@@ -591,26 +527,6 @@ def _exact_joint(ver, params, prompt):
         if p1[a] > 0
         for b in range(len(p1))
     }
-
-
-def _chi2_pvalue(counts, expected, n):
-    """Pearson chi-square over cells with expected count >= 5; rarer cells pooled."""
-    obs, exp = [], []
-    rest_o = rest_e = 0.0
-    for cell, pr in expected.items():
-        if pr * n >= 5:
-            obs.append(counts.get(cell, 0))
-            exp.append(pr * n)
-        else:
-            rest_o += counts.get(cell, 0)
-            rest_e += pr * n
-    if n - sum(obs) - rest_o:  # samples where the verifier has probability zero
-        return 0.0
-    if rest_e > 0:
-        obs.append(rest_o)
-        exp.append(rest_e)
-    obs, exp = np.array(obs), np.array(exp)
-    return float(chi2.sf(((obs - exp) ** 2 / exp).sum(), len(obs) - 1))
 
 
 def _joint_counts(method, ver, dra, params, rule=None, **kw):
@@ -633,7 +549,7 @@ def _joint_counts(method, ver, dra, params, rule=None, **kw):
 ALL_TRANSFORMS = SamplingParams(
     0.8, top_p=0.95, top_k=10, min_p=0.02, repetition_penalty=1.5, presence_penalty=0.7,
     frequency_penalty=0.8, logit_bias={3: 1.0, 6: -1.0},
-)
+)  # fmt: skip
 CASES = [
     ("tree", SamplingParams(1.0), {"tree_mode": "dynamic"}),
     ("tree", SamplingParams(1.0), {"tree_mode": "sampled"}),
@@ -657,7 +573,7 @@ def test_sampled_methods_match_the_verifier_distribution(small_vocab, method, pa
     ver, dra = small_vocab
     counts, drafted, accepted = _joint_counts(method, ver, dra, params, **kw)
     assert drafted > N_SAMPLES and accepted > N_SAMPLES // 50  # proposals were made and used
-    assert _chi2_pvalue(counts, _exact_joint(ver, params, PROMPT), N_SAMPLES) > 0.001
+    assert chi_square_p(counts, _exact_joint(ver, params, PROMPT)) > 0.001
 
 
 @pytest.mark.slow
@@ -667,4 +583,4 @@ def test_a_tree_rule_without_the_residual_update_fails_the_test(small_vocab):
     counts, _, _ = _joint_counts(
         "tree", ver, dra, params, rule=_no_residual_rule, tree_mode="sampled"
     )
-    assert _chi2_pvalue(counts, _exact_joint(ver, params, PROMPT), N_SAMPLES) < 1e-6
+    assert chi_square_p(counts, _exact_joint(ver, params, PROMPT)) < 1e-6

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -64,27 +65,23 @@ def write_tokenizer(path: Path, vocab_size: int, eos_id: int = EOS_ID) -> None:
     )
 
 
-def make_config(
-    arch: str = "llama",
-    vocab_size: int = 96,
-    hidden_size: int = 64,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    intermediate: int = 128,
-    tie: bool = False,
-    eos_id: int = EOS_ID,
-    **extra,
-) -> dict:
+# The sizes of a tiny model, each of which `make_config` takes as a keyword.
+SIZES = dict(vocab_size=96, hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate=128)
+
+
+def make_config(arch: str = "llama", tie: bool = False, eos_id: int = EOS_ID, **extra: Any) -> dict:
+    """config.json of a tiny model: `SIZES`, where a keyword of the same name overrides one, and
+    any other keyword as a key of its own (e.g. max_position_embeddings)."""
+    size = {k: extra.pop(k, default) for k, default in SIZES.items()}
     cfg = {
         "model_type": arch,
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": hidden_size // heads,
+        "vocab_size": size["vocab_size"],
+        "hidden_size": size["hidden_size"],
+        "intermediate_size": size["intermediate"],
+        "num_hidden_layers": size["layers"],
+        "num_attention_heads": size["heads"],
+        "num_key_value_heads": size["kv_heads"],
+        "head_dim": size["hidden_size"] // size["heads"],
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "max_position_embeddings": 512,
@@ -173,7 +170,10 @@ def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
     cfg = json.loads((src / "config.json").read_text())
     w = load_file(str(src / "model.safetensors"))
     rng = np.random.default_rng(seed)
-    w = {k: (v + noise * v.std() * rng.standard_normal(v.shape)).astype(np.float32) for k, v in w.items()}
+    w = {
+        k: (v + noise * v.std() * rng.standard_normal(v.shape)).astype(np.float32)
+        for k, v in w.items()
+    }
     cfg_kwargs = {
         "arch": cfg["model_type"],
         "vocab_size": cfg["vocab_size"],
@@ -186,6 +186,25 @@ def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
         "eos_id": cfg["eos_token_id"],
     }
     return write_model(dst, weights=w, **cfg_kwargs)
+
+
+def write_endless_model(path: Path, seed: int = 0, scale: float = 1.5, context: int = 512) -> Path:
+    """A tiny model whose EOS logit is always 0: greedy answers run to max_tokens, so the caller
+    decides when an answer ends."""
+    cfg = make_config(max_position_embeddings=context)
+    weights = random_weights(cfg, seed=seed, scale=scale)
+    weights["lm_head.weight"][EOS_ID] = 0.0
+    return write_model(path, weights=weights, max_position_embeddings=context)
+
+
+# A model of 16 tokens and one layer: the exact law of two generated tokens is a 16 x 16 table.
+SMALL_VOCAB = dict(vocab_size=16, hidden_size=32, heads=2, kv_heads=1, intermediate=64, layers=1)
+
+
+def write_small_vocab_pair(root: Path) -> tuple[Path, Path]:
+    """A `SMALL_VOCAB` verifier and a noisy draft of it, for the distribution tests."""
+    verifier = write_model(root / "v", scale=0.6, **SMALL_VOCAB)
+    return verifier, perturbed_copy(verifier, root / "d", noise=0.8)
 
 
 # -- GGUF ------------------------------------------------------------------------------------
@@ -205,7 +224,11 @@ _GGUF_NAMES = {
 
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """What llama.cpp's converter does to Q/K rows (half-split RoPE -> interleaved)."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def gguf_vocabulary() -> tuple[list[str], list[str], list[int]]:
@@ -219,7 +242,9 @@ def gguf_vocabulary() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
-def write_gguf(path: Path, seed: int = 0, quant: str | None = None, **config_kwargs) -> tuple[Path, dict]:
+def write_gguf(
+    path: Path, seed: int = 0, quant: str | None = None, **config_kwargs
+) -> tuple[Path, dict]:
     """A tiny llama GGUF as llama.cpp writes it (Q/K permuted). Returns (path, reference weights):
     the HF-layout float32 weights the GGUF encodes (after quantization round-trip if `quant`)."""
     import gguf
@@ -269,9 +294,17 @@ def write_gguf(path: Path, seed: int = 0, quant: str | None = None, **config_kwa
             writer.add_tensor(gname, packed, raw_dtype=qtype)
             back = gguf.quants.dequantize(packed, qtype).astype(np.float32)
             if ".attn_q." in gname or ".attn_k." in gname:
-                heads = cfg["num_attention_heads"] if ".attn_q." in gname else cfg["num_key_value_heads"]
+                heads = (
+                    cfg["num_attention_heads"]
+                    if ".attn_q." in gname
+                    else cfg["num_key_value_heads"]
+                )
                 rows = back.shape[0]
-                back = back.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(back.shape)
+                back = (
+                    back.reshape(heads, rows // heads // 2, 2, -1)
+                    .swapaxes(1, 2)
+                    .reshape(back.shape)
+                )
             reference[name] = back
         else:
             writer.add_tensor(gname, data)
