@@ -45,10 +45,7 @@ MODEL = "soak"
 
 def write_pair(root: Path) -> tuple[Path, Path]:
     """A tiny verifier whose EOS logit is 0 (answers run to max_tokens) and a noisy draft."""
-    cfg = tiny.make_config(max_position_embeddings=CONTEXT)
-    weights = tiny.random_weights(cfg, seed=0, scale=2.0)
-    weights["lm_head.weight"][tiny.EOS_ID] = 0.0
-    verifier = tiny.write_model(root / "verifier", weights=weights, max_position_embeddings=CONTEXT)
+    verifier = tiny.write_endless_model(root / "verifier", seed=0, scale=2.0, context=CONTEXT)
     return verifier, tiny.perturbed_copy(verifier, root / "draft", noise=0.1)
 
 
@@ -65,7 +62,9 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-def start_server(verifier: Path, draft: Path, port: int, args: argparse.Namespace) -> subprocess.Popen:
+def start_server(
+    verifier: Path, draft: Path, port: int, args: argparse.Namespace
+) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "ondevice", "serve", "--model", str(verifier), "--draft",
            str(draft), "--draft-backend", "mlx", "--port", str(port), "--name", MODEL,
            "--max-queue", str(args.max_queue), "--log-level", "error", "--read-timeout", "10",
@@ -92,7 +91,9 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
     text = " ".join(rng.choice(["hello", "there", "robot", "paint", "story"]) for _ in range(6))
     url = "/v1/chat/completions"
     if kind in ("chat", "completion"):
-        body = chat(text, n) if kind == "chat" else {"model": MODEL, "prompt": text, "max_tokens": n}
+        body = (
+            chat(text, n) if kind == "chat" else {"model": MODEL, "prompt": text, "max_tokens": n}
+        )
         r = await client.post(url if kind == "chat" else "/v1/completions", json=body)
         if r.status_code == 429:
             return "ok:429 queue full"

@@ -32,10 +32,7 @@ VOCAB = 96
 
 def write_model(path: Path, seed: int = 0) -> Path:
     """A tiny model whose EOS logit is 0, so answers run to max_tokens."""
-    cfg = tiny.make_config(max_position_embeddings=CONTEXT)
-    weights = tiny.random_weights(cfg, seed=seed, scale=1.5)
-    weights["lm_head.weight"][tiny.EOS_ID] = 0.0
-    return tiny.write_model(path, weights=weights, max_position_embeddings=CONTEXT)
+    return tiny.write_endless_model(path, seed=seed, scale=1.5, context=CONTEXT)
 
 
 @pytest.fixture(scope="module")
