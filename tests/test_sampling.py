@@ -142,7 +142,7 @@ def test_logprobs_are_the_verifiers(pair, speculative):
     lps = [lp for c in r for lp in c.logprobs or ()]
     assert [lp.token for lp in lps] == tokens and len(tokens) >= 4
     prompt = gen.encode_prompt("hello")
-    ver = MLXEngine(gen._pair.verifier.model)
+    ver = MLXEngine(gen.verifier.model)
     logits = ver.feed(prompt + tokens[:-1])[len(prompt) - 1 :]
     ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
     ref -= logits.max(-1, keepdims=True)

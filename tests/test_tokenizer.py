@@ -54,7 +54,7 @@ def test_chat_template_gets_tools_and_keyword_arguments(tok):
 
 
 def test_a_model_without_a_template_gets_the_default(tok):
-    bare = Tokenizer(tok._tok, eos_token_ids=tok.eos_token_ids)
+    bare = Tokenizer(tok.hf.backend_tokenizer, eos_token_ids=tok.eos_token_ids)
     assert bare.chat_template is None
     text = bare.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "user: hi\nassistant:"
@@ -74,8 +74,8 @@ def test_sentencepiece_only_folder(tmp_path):
     (tmp_path / "tokenizer.model").write_bytes(buf.getvalue())
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>",
-                    "eos_token": "</s>", "add_bos_token": True})  # fmt: skip
-    )
+                    "eos_token": "</s>", "add_bos_token": True})
+    )  # fmt: skip
     t = Tokenizer.from_dir(tmp_path)
     sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
     for s in ("the lazy fox", "héllo wörld", "zebra ☃"):
