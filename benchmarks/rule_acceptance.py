@@ -1,7 +1,7 @@
 """Acceptance of the two exact sampling rules side by side: keyed Leviathan vs Gumbel coupling.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python benchmarks/rule_acceptance.py [--verifier GGUF] [--draft-layers SPEC]
+        python benchmarks/rule_acceptance.py --verifier GGUF [--draft-layers SPEC]
 
 1. Tiny random pairs (draft = verifier + noise): accepted / drafted over seeded generations with
    the sequential decoder (the pipelined one decides identically).
@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from models_util import DEFAULT_VERIFIER, load_pair
+from models_util import add_verifier_argument, load_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny  # noqa: E402
@@ -90,7 +90,7 @@ def real_pair(
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--verifier", default=DEFAULT_VERIFIER)
+    add_verifier_argument(ap)
     ap.add_argument("--draft", default=None, help="a draft model (folder or GGUF)")
     ap.add_argument("--draft-layers", default="0-9,20-29", help="slices, ';'-separated")
     ap.add_argument("--skip-tiny", action="store_true")
