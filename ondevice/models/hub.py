@@ -25,7 +25,7 @@ def cache_dir() -> Path:
     return Path(user_cache_dir("ondevice", appauthor=False))
 
 
-def _looks_like_hub_id(name: str) -> bool:
+def looks_like_hub_id(name: str) -> bool:
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~", "/"))
 
@@ -43,7 +43,7 @@ def resolve(name: str | os.PathLike) -> Path:
         raise ModelNotFoundError(
             f"{s!r} is not downloaded yet (looked in {cached}). Fetch it with: ondevice pull {s}"
         )
-    if not _looks_like_hub_id(s):
+    if not looks_like_hub_id(s):
         raise ModelNotFoundError(
             f"{s!r}: no such file or folder, and not a Hugging Face hub id (owner/name). "
             "Pass a local model folder, a .gguf file or a bundle, or fetch one with `ondevice pull`."
