@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -166,39 +167,15 @@ def distill(
     teacher = load_teacher(verifier)
     layer_list = parse_layers(layers, teacher.config.num_hidden_layers)
     cfg = TrainConfig(
-        layers=layer_list,
-        vocab=vocab,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        learning_rate=learning_rate,
-        steps=steps,
-        minutes=minutes,
-        embed_bits=embed_bits,
-        seed=seed,
-        eval_every=eval_every,
-        checkpoint_every=checkpoint_every,
-    )
+        layer_list, vocab, seq_len, batch_size, learning_rate, steps=steps, minutes=minutes,
+        embed_bits=embed_bits, seed=seed, eval_every=eval_every, checkpoint_every=checkpoint_every,
+    )  # fmt: skip
     if resume:
-        old = checkpoint_config(work / "checkpoint")
-        if old is None:
-            raise OndeviceError(f"{work}: no checkpoint to resume from; run without --resume.")
-        for key in ("layers", "vocab", "embed_bits"):
-            if old[key] != getattr(cfg, key):
-                raise OndeviceError(
-                    f"--resume: the checkpoint was trained with {key}={old[key]!r}, not "
-                    f"{getattr(cfg, key)!r}; pass the same options."
-                )
+        _check_resumable(work, cfg)
     data = make_data(
-        teacher,
-        work / "data",
-        files=data_files,
-        tokens=tokens,
-        k=top_k,
-        batch=gen_batch,
-        max_tokens=max_tokens,
-        seed=seed,
-        progress=progress,
-    )
+        teacher, work / "data", files=data_files, tokens=tokens, k=top_k, batch=gen_batch,
+        max_tokens=max_tokens, seed=seed, progress=progress,
+    )  # fmt: skip
     data_time = time.time() - t0
     train_data, held = split_held_out(data)
     recipe = {
@@ -212,29 +189,11 @@ def distill(
         "train": {k: v for k, v in asdict(cfg).items() if k != "extra"},
     }
     max_bytes = int(max_mb * 1e6) if max_mb else None
-
-    def on_checkpoint(model, summary: dict[str, Any]) -> None:
-        info = {**recipe, **{k: v for k, v in summary.items() if k not in ("losses", "model")}}
-        export_draft(
-            model,
-            teacher.tokenizer,
-            output,
-            vocab=vocab,
-            embed_bits=embed_bits,
-            max_bytes=max_bytes,
-            info=info,
-        )
-
+    on_checkpoint = _exporter(teacher, output, recipe, vocab, embed_bits, max_bytes)
     summary = train(
-        teacher,
-        train_data,
-        held,
-        cfg,
-        work,
-        resume=resume,
-        on_checkpoint=on_checkpoint,
-        progress=progress,
-    )
+        teacher, train_data, held, cfg, work,
+        resume=resume, on_checkpoint=on_checkpoint, progress=progress,
+    )  # fmt: skip
     model = summary.pop("model")
     summary["data_time_s"] = round(data_time, 1)
     on_checkpoint(model, summary)
@@ -242,3 +201,37 @@ def distill(
         json.dumps({**recipe, **{k: v for k, v in summary.items() if k != "losses"}}, indent=1)
     )
     return {**recipe, **summary}
+
+
+def _check_resumable(work: Path, cfg: TrainConfig) -> None:
+    """OndeviceError unless `work` holds a checkpoint trained with `cfg`'s shape of draft."""
+    old = checkpoint_config(work / "checkpoint")
+    if old is None:
+        raise OndeviceError(f"{work}: no checkpoint to resume from; run without --resume.")
+    for key in ("layers", "vocab", "embed_bits"):
+        if old[key] != getattr(cfg, key):
+            raise OndeviceError(
+                f"--resume: the checkpoint was trained with {key}={old[key]!r}, not "
+                f"{getattr(cfg, key)!r}; pass the same options."
+            )
+
+
+def _exporter(
+    teacher: Teacher,
+    output: Path,
+    recipe: dict[str, Any],
+    vocab: int | None,
+    embed_bits: int | None,
+    max_bytes: int | None,
+) -> Callable[[Any, dict[str, Any]], None]:
+    """The checkpoint callback: export the draft as trained so far into `output`, with the
+    recipe and the run's figures, so a stopped run still leaves a usable draft."""
+
+    def on_checkpoint(model: Any, summary: dict[str, Any]) -> None:
+        info = {**recipe, **{k: v for k, v in summary.items() if k not in ("losses", "model")}}
+        export_draft(
+            model, teacher.tokenizer, output,
+            vocab=vocab, embed_bits=embed_bits, max_bytes=max_bytes, info=info,
+        )  # fmt: skip
+
+    return on_checkpoint

@@ -102,13 +102,19 @@ def export_draft(
     stored = {"embed_bits": embed_bits, "layer_bits": layer_bits, "group_size": group}
     if info is not None:
         (tmp / "distill.json").write_text(json.dumps({**info, "storage": stored}, indent=1))
-    old = out.with_name(out.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_folder(tmp, out)
     return stored
+
+
+def replace_folder(new: Path, dest: Path) -> None:
+    """Put the folder `new` in the place of `dest` (which may not exist): the old copy is moved
+    aside first and deleted only after the swap, so `dest` is always one whole folder."""
+    old = dest.with_name(dest.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(new, dest)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def draft_vocab_size(folder: Path) -> int | None:

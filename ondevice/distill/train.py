@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ondevice.distill.data import Shard
+from ondevice.distill.export import replace_folder
 from ondevice.distill.teacher import Teacher
 from ondevice.errors import OndeviceError
 from ondevice.models.transformer import Model
@@ -221,12 +221,7 @@ def save_checkpoint(
     mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
     meta = {"step": step, "elapsed_s": elapsed, "config": asdict(cfg)}
     (tmp / "progress.json").write_text(json.dumps(meta, indent=1))
-    old = folder.with_name(folder.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if folder.exists():
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_folder(tmp, folder)
 
 
 def load_checkpoint(folder: Path, model: Model, opt: optim.Optimizer) -> tuple[int, float]:
@@ -288,8 +283,6 @@ def train(
     on_checkpoint(model, summary) is called after each checkpoint (e.g. to export the draft),
     so a stopped run still leaves a usable draft.
     """
-    from tqdm import tqdm
-
     mx.random.seed(cfg.seed)
     model = build_student(teacher, cfg)
     batches = Batches(train_data, cfg.seq_len, cfg.batch_size, cfg.seed)
@@ -301,29 +294,14 @@ def train(
     if resume:
         step, elapsed = load_checkpoint(ckpt, model, opt)
 
-    loss_grad = nn.value_and_grad(model, partial(distill_loss, vocab=cfg.vocab))
-    state = [model.state, opt.state]
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def train_step(x, attn, ids, logp, w):
-        (loss, agree), grads = loss_grad(model, x, attn, ids, logp, w)
-        opt.update(model, grads)
-        return loss, agree
-
+    train_step, state = _compiled_step(model, opt, cfg)
     summary: dict[str, Any] = {"step": step, "train_tokens_per_epoch": int(train_data.mask.sum())}
     if not resume:
         summary["held_out_loss_start"], summary["acceptance_estimate_start"] = evaluate(
             model, held, cfg.vocab
         )
-    # With a time budget the bar runs over seconds, so its ETA is the budget's end.
     timed = bool(cfg.minutes)
-    bar = tqdm(
-        total=int(cfg.minutes * 60) if timed else cfg.steps,
-        initial=int(elapsed) if timed else step,
-        disable=not progress,
-        unit="s" if timed else "step",
-        dynamic_ncols=True,
-    )
+    bar = _progress_bar(cfg, step, elapsed, progress)
     ema = None
     start = time.time() - elapsed
     acc = summary.get("acceptance_estimate_start")
@@ -360,3 +338,31 @@ def train(
     summary.update(step=step, train_time_s=round(time.time() - start, 1))
     summary["model"] = model
     return summary
+
+
+def _compiled_step(model: Model, opt: optim.Optimizer, cfg: TrainConfig) -> tuple[Any, list]:
+    """One optimizer step on a batch, compiled, and the state it updates (to evaluate)."""
+    loss_grad = nn.value_and_grad(model, partial(distill_loss, vocab=cfg.vocab))
+    state = [model.state, opt.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def train_step(x, attn, ids, logp, w):
+        (loss, agree), grads = loss_grad(model, x, attn, ids, logp, w)
+        opt.update(model, grads)
+        return loss, agree
+
+    return train_step, state
+
+
+def _progress_bar(cfg: TrainConfig, step: int, elapsed: float, progress: bool) -> Any:
+    """Steps, or with a time budget seconds (so the ETA is the budget's end)."""
+    from tqdm import tqdm
+
+    timed = bool(cfg.minutes)
+    return tqdm(
+        total=int(cfg.minutes * 60) if timed else cfg.steps,
+        initial=int(elapsed) if timed else step,
+        disable=not progress,
+        unit="s" if timed else "step",
+        dynamic_ncols=True,
+    )
