@@ -31,7 +31,7 @@ FP16_MAX = 65504.0
 
 
 def select_prompts(path: Path, per_category: int) -> list:
-    from ondevice.bench.prompts import read_prompts
+    from ondevice.speedtest.prompts import read_prompts
 
     prompts, _ = read_prompts(path)
     taken: dict[str, int] = defaultdict(int)

@@ -11,9 +11,9 @@ import pytest
 from tiny import perturbed_copy, write_model
 
 from ondevice.apps.cli import main
-from ondevice.bench import builtin_prompts_path, read_prompts
-from ondevice.bench.peers import mlx_lm_rounds
 from ondevice.errors import OndeviceError
+from ondevice.speedtest import builtin_prompts_path, read_prompts
+from ondevice.speedtest.peers import mlx_lm_rounds
 
 PROMPTS = [
     {"question_id": 1, "category": "chat", "turns": ["hello there, how are you?", "and now?"]},
@@ -135,7 +135,7 @@ def test_peers_mlx_lm(pair, prompts, tmp_path):
 
 
 def test_mismatch_is_flagged(pair, prompts, tmp_path, capsys, monkeypatch):
-    from ondevice.bench.runner import Bench
+    from ondevice.speedtest.runner import Bench
 
     original = Bench._ondevice_steps
 
@@ -213,7 +213,7 @@ def test_unknown_category(prompts, capsys):
 
 
 def test_per_category_and_turn(prompts):
-    from ondevice.bench import select
+    from ondevice.speedtest import select
 
     ps, skipped = read_prompts(prompts, turn=2)
     assert [p.text for p in ps] == ["and now?"] and skipped == 3

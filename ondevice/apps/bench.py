@@ -107,9 +107,15 @@ def _models(args: argparse.Namespace) -> tuple[str, str | None]:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
-    from ondevice.bench import BenchOptions, builtin_prompts_path, read_prompts, run_bench, select
-    from ondevice.bench.plot import plot
-    from ondevice.bench.report import write_json
+    from ondevice.speedtest import (
+        BenchOptions,
+        builtin_prompts_path,
+        read_prompts,
+        run_bench,
+        select,
+    )
+    from ondevice.speedtest.plot import plot
+    from ondevice.speedtest.report import write_json
 
     # Read the prompts before loading models: a typo in the file should fail in a second.
     prompts_file = Path(args.prompts) if args.prompts else builtin_prompts_path()
@@ -173,6 +179,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def table(results: dict) -> str:
-    from ondevice.bench.report import table as _table
+    from ondevice.speedtest.report import table as _table
 
     return _table(results)

@@ -233,7 +233,7 @@ def _probe_prompts(tokenizer: Any, max_tokens: int = 32) -> list[list[int]]:
     benchmark prompt of each category through the chat template, cut to `max_tokens` (large
     activations show within the first tokens: Qwen2.5-0.5B's residual peaks on the first; the
     probe runs the draft in numpy, about a second per token for a 0.5B draft)."""
-    from ondevice.bench.prompts import builtin_prompts_path, read_prompts
+    from ondevice.speedtest.prompts import builtin_prompts_path, read_prompts
 
     prompts, _ = read_prompts(builtin_prompts_path())
     firsts = {p.category: p.text for p in reversed(prompts)}  # first of each category wins

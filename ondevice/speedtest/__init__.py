@@ -1,5 +1,7 @@
-"""`ondevice bench`: speed, acceptance and memory of every decoding method against plain decoding
-(and against peers such as mlx-lm) on Spec-Bench-format prompts, measured interleaved in one run.
+"""The speed test behind the `ondevice bench` command (`apps/bench.py`): speed, acceptance and
+memory of every decoding method against plain decoding (and against peers such as mlx-lm) on
+Spec-Bench-format prompts, measured interleaved in one run. (The top-level `benchmarks/` folder
+holds the project's measurement scripts, which are not part of the package.)
 
     results = run_bench(gen, prompts, BenchOptions(max_tokens=128, peers=("mlx-lm",)))
 """
@@ -11,9 +13,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ondevice.bench.prompts import BenchPrompt, builtin_prompts_path, read_prompts, select
-from ondevice.bench.report import aggregate, machine_info, mismatches, per_prompt_speedups, table
-from ondevice.bench.runner import Bench, BenchOptions, draft_mlx_model, param_bytes
+from ondevice.speedtest.prompts import BenchPrompt, builtin_prompts_path, read_prompts, select
+from ondevice.speedtest.report import (
+    aggregate,
+    machine_info,
+    mismatches,
+    per_prompt_speedups,
+    table,
+)
+from ondevice.speedtest.runner import Bench, BenchOptions, draft_mlx_model, param_bytes
 
 __all__ = [
     "BenchOptions",
@@ -52,47 +60,12 @@ def run_bench(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Measure every run on every prompt and return the results document (JSON-ready)."""
-    from tqdm import tqdm
-
     bench = Bench(gen, options)
-    encoded, skipped = [], []
-    for p in prompts:
-        ids = gen.encode_prompt(p.text)
-        # room for the answer: a prompt that does not fit would only measure the error path
-        if len(ids) + options.max_tokens >= gen.context_length:
-            skipped.append(
-                {
-                    "question_id": p.question_id,
-                    "category": p.category,
-                    "reason": f"{len(ids)} prompt tokens exceed the context",
-                }
-            )
-            continue
-        encoded.append((p, ids))
-    if not encoded:
-        from ondevice.errors import OndeviceError
-
-        raise OndeviceError("no prompt fits the model's context with --max-tokens; nothing to run.")
+    encoded, skipped = _encode(gen, prompts, options.max_tokens)
     if options.warmup:
         bench.warm_up(encoded[0][1])
-    records: list[dict] = []
     t0 = time.perf_counter()
-    with tqdm(
-        total=len(encoded) * len(bench.runs),
-        desc="bench",
-        unit="run",
-        disable=not progress,
-        file=sys.stderr,
-        dynamic_ncols=True,
-    ) as bar:
-        for p, ids in encoded:
-
-            def tick(method: str, p: BenchPrompt = p) -> None:
-                bar.set_postfix_str(f"{p.category}/{p.question_id} {method}")
-
-            recs = bench.run_prompt(p, ids, tick)
-            bar.update(len(recs))
-            records.extend(recs)
+    records = _measure(bench, encoded, progress)
     per_prompt_speedups(records)
     results: dict[str, Any] = {
         "ondevice_bench_format": 1,
@@ -129,6 +102,52 @@ def run_bench(
     results["greedy_outputs_match"] = None if options.temperature > 0 else not bad
     _summary(results)
     return results
+
+
+def _encode(
+    gen: Any, prompts: Sequence[BenchPrompt], max_tokens: int
+) -> tuple[list[tuple[BenchPrompt, list[int]]], list[dict[str, Any]]]:
+    """The prompts' token ids, and the prompts skipped because they leave no room for the
+    answer (they would only measure the error path)."""
+    encoded, skipped = [], []
+    for p in prompts:
+        ids = gen.encode_prompt(p.text)
+        if len(ids) + max_tokens >= gen.context_length:
+            reason = f"{len(ids)} prompt tokens exceed the context"
+            skipped.append({"question_id": p.question_id, "category": p.category, "reason": reason})
+            continue
+        encoded.append((p, ids))
+    if not encoded:
+        from ondevice.errors import OndeviceError
+
+        raise OndeviceError("no prompt fits the model's context with --max-tokens; nothing to run.")
+    return encoded, skipped
+
+
+def _measure(
+    bench: Bench, encoded: list[tuple[BenchPrompt, list[int]]], progress: bool
+) -> list[dict]:
+    """Every run on every prompt, under one progress bar; the records in order."""
+    from tqdm import tqdm
+
+    records: list[dict] = []
+    with tqdm(
+        total=len(encoded) * len(bench.runs),
+        desc="bench",
+        unit="run",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    ) as bar:
+        for p, ids in encoded:
+
+            def tick(method: str, p: BenchPrompt = p) -> None:
+                bar.set_postfix_str(f"{p.category}/{p.question_id} {method}")
+
+            recs = bench.run_prompt(p, ids, tick)
+            bar.update(len(recs))
+            records.extend(recs)
+    return records
 
 
 def _summary(results: dict[str, Any]) -> None:

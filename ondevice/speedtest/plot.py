@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from ondevice.bench.report import ALL, staging_file
+from ondevice.speedtest.report import ALL, staging_file
 
 PALETTE = ["#3b6fb6", "#e07b39", "#3a9e6f", "#c4484f", "#8a63b8", "#9c7a4a", "#d16fb0"]
 PLAIN_COLOR = "#8c8c8c"
@@ -68,74 +68,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
     agg = results["aggregates"]
     methods = list(agg)
     colors = _colors(methods)
-    fast = [m for m in methods if m != "plain"]
     cats = [c for c in agg.get("plain", {}) if c != ALL] + [ALL]
-    spec = [m for m in fast if agg[m].get(ALL, {}).get("drafted")]
 
     fig = Figure(figsize=(13, 8.5), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(2, 2, height_ratios=[1.25, 1], width_ratios=[1, 1.6])
-
-    # Headline: how much faster than the verifier alone, per category.
-    ax = fig.add_subplot(grid[0, :])
-    _grouped(ax, cats, fast, lambda m, c: agg[m].get(c, {}).get("speedup"), colors, ".2f")
-    ax.axhline(1.0, color="#333333", lw=1, ls="--", label="plain decoding = 1.0")
-    ax.set_ylabel("speedup over plain decoding (x)")
-    ax.set_title(
-        "Speedup per category (decode tokens/s relative to the verifier alone, same run)",
-        fontsize=10,
-        loc="left",
-    )
-    if fast:
-        ax.legend(frameon=False, ncols=min(len(fast) + 1, 6), loc="upper left", fontsize=8)
-    ax.margins(y=0.15)
-
-    # Absolute speed per method, overall.
-    ax = fig.add_subplot(grid[1, 0])
-    tps = [(m, agg[m].get(ALL, {}).get("tokens_per_second") or 0.0) for m in methods]
-    bars = ax.barh(
-        [m for m, _ in tps],
-        [v for _, v in tps],
-        color=[colors[m] for m, _ in tps],
-        hatch=[_hatch(m) for m, _ in tps],
-        edgecolor="white",
-        linewidth=0,
-    )
-    ax.bar_label(bars, [f"{v:.1f}" for _, v in tps], fontsize=8, padding=3)
-    ax.invert_yaxis()
-    ax.set_xlabel("decode tokens/s (all prompts)")
-    ax.set_title("Speed", fontsize=10, loc="left")
-    ax.spines[["top", "right"]].set_visible(False)
-    ax.margins(x=0.18)
-
-    # How often the verifier agreed with the draft.
-    ax = fig.add_subplot(grid[1, 1])
-    if spec:
-        _grouped(
-            ax,
-            cats,
-            spec,
-            lambda m, c: agg[m].get(c, {}).get("acceptance_rate"),
-            colors,
-            ".2f",
-            labels=len(cats) * len(spec) <= 24,
-        )
-        ax.set_ylim(0, 1.08)
-        ax.set_ylabel("acceptance rate")
-        lens = ", ".join(
-            f"{m} {agg[m][ALL]['mean_accepted_length']:.2f}"
-            for m in spec
-            if agg[m][ALL].get("mean_accepted_length")
-        )
-        ax.set_title(
-            textwrap.fill(f"Draft acceptance per category (tokens per verifier pass: {lens})", 90),
-            fontsize=10,
-            loc="left",
-        )
-    else:
-        ax.axis("off")
-        ax.text(0.5, 0.5, "no drafting method run", ha="center", va="center")
-
+    _speedup_panel(fig.add_subplot(grid[0, :]), agg, cats, colors)
+    _speed_panel(fig.add_subplot(grid[1, 0]), agg, colors)
+    _acceptance_panel(fig.add_subplot(grid[1, 1]), agg, cats, colors)
     fig.suptitle(_title(results), fontsize=12, fontweight="bold", ha="left", x=0.01)
     bad = results.get("mismatches") or []
     if bad:
@@ -151,6 +91,71 @@ def plot(results: dict[str, Any], path: Path) -> None:
             fontweight="bold",
         )
     _save(fig, path)
+
+
+def _speedup_panel(ax, agg: dict[str, Any], cats: list[str], colors: dict[str, str]) -> None:
+    """The headline: how much faster than the verifier alone, per category."""
+    fast = [m for m in agg if m != "plain"]
+    _grouped(ax, cats, fast, lambda m, c: agg[m].get(c, {}).get("speedup"), colors, ".2f")
+    ax.axhline(1.0, color="#333333", lw=1, ls="--", label="plain decoding = 1.0")
+    ax.set_ylabel("speedup over plain decoding (x)")
+    ax.set_title(
+        "Speedup per category (decode tokens/s relative to the verifier alone, same run)",
+        fontsize=10,
+        loc="left",
+    )
+    if fast:
+        ax.legend(frameon=False, ncols=min(len(fast) + 1, 6), loc="upper left", fontsize=8)
+    ax.margins(y=0.15)
+
+
+def _speed_panel(ax, agg: dict[str, Any], colors: dict[str, str]) -> None:
+    """Absolute speed per method, overall."""
+    tps = [(m, agg[m].get(ALL, {}).get("tokens_per_second") or 0.0) for m in agg]
+    bars = ax.barh(
+        [m for m, _ in tps],
+        [v for _, v in tps],
+        color=[colors[m] for m, _ in tps],
+        hatch=[_hatch(m) for m, _ in tps],
+        edgecolor="white",
+        linewidth=0,
+    )
+    ax.bar_label(bars, [f"{v:.1f}" for _, v in tps], fontsize=8, padding=3)
+    ax.invert_yaxis()
+    ax.set_xlabel("decode tokens/s (all prompts)")
+    ax.set_title("Speed", fontsize=10, loc="left")
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.margins(x=0.18)
+
+
+def _acceptance_panel(ax, agg: dict[str, Any], cats: list[str], colors: dict[str, str]) -> None:
+    """How often the verifier agreed with the draft, per category, for the drafting methods."""
+    spec = [m for m in agg if m != "plain" and agg[m].get(ALL, {}).get("drafted")]
+    if not spec:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no drafting method run", ha="center", va="center")
+        return
+    _grouped(
+        ax,
+        cats,
+        spec,
+        lambda m, c: agg[m].get(c, {}).get("acceptance_rate"),
+        colors,
+        ".2f",
+        labels=len(cats) * len(spec) <= 24,
+    )
+    ax.set_ylim(0, 1.08)
+    ax.set_ylabel("acceptance rate")
+    lens = ", ".join(
+        f"{m} {agg[m][ALL]['mean_accepted_length']:.2f}"
+        for m in spec
+        if agg[m][ALL].get("mean_accepted_length")
+    )
+    ax.set_title(
+        textwrap.fill(f"Draft acceptance per category (tokens per verifier pass: {lens})", 90),
+        fontsize=10,
+        loc="left",
+    )
 
 
 def _title(results: dict[str, Any]) -> str:

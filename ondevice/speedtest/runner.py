@@ -19,9 +19,9 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ondevice.bench.peers import MlxLmPeer, Steps, mlx_lm_rounds
-from ondevice.bench.prompts import BenchPrompt
 from ondevice.errors import OndeviceError
+from ondevice.speedtest.peers import MlxLmPeer, Steps, mlx_lm_rounds
+from ondevice.speedtest.prompts import BenchPrompt
 
 # Methods that need a draft model; the others (prompt lookup, lookahead) work without one.
 DRAFT_METHODS = ("chain", "tree", "cascade")
