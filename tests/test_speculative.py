@@ -448,8 +448,9 @@ def test_closing_astream_early_stops_the_worker(gen):
         await agen.aclose()
 
     asyncio.run(first_then_close())
-    assert not gen._lock.locked()  # the generation ended before aclose returned
-    assert gen.generate("hi", max_tokens=4).tokens  # the model is free again
+    # the generation ended before aclose returned: a model still generating refuses another
+    # call at once (it does not wait), so this one is served only if the model is free
+    assert gen.generate("hi", max_tokens=4).tokens
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads through /proc")
