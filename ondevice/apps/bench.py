@@ -7,28 +7,26 @@ import argparse
 import sys
 from pathlib import Path
 
+from ondevice.apps import options
+
+HELP = "benchmark speculative decoding against plain decoding (and mlx-lm)"
+DESCRIPTION = (
+    "Run every decoding method on Spec-Bench-format prompts, interleaved with "
+    "plain decoding, and report tokens/s, speedup, acceptance and memory per category."
+)
+
 
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ondevice.apps import options
-
-    p = sub.add_parser(
-        "bench",
-        help="benchmark speculative decoding against plain decoding (and mlx-lm)",
-        description="Run every decoding method on Spec-Bench-format prompts, interleaved with "
-        "plain decoding, and report tokens/s, speedup, acceptance and memory per category.",
-    )
+    p = options.add_command(sub, "bench", HELP, DESCRIPTION)
     src = p.add_argument_group("models (default: the catalog's default pair)")
     who = src.add_mutually_exclusive_group()
     who.add_argument("--model", metavar="BUNDLE", help="a pair bundle (or any model with --draft)")
     who.add_argument("--verifier", metavar="PATH_OR_ID", help="verifier model")
-    src.add_argument("--draft-model", "--draft", dest="draft", metavar="PATH_OR_ID",
-                     help="draft model")  # fmt: skip
-    src.add_argument("--draft-backend", default="auto", choices=options.DRAFT_BACKENDS)
-    src.add_argument("--dtype", choices=options.DTYPES)
+    options.add_draft_arguments(src, metavar="PATH_OR_ID")
     pr = p.add_argument_group("prompts")
     pr.add_argument(
         "--prompts",

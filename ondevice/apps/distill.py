@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import argparse
 
+from ondevice.apps import options
+
+HELP = "train a draft model for a verifier (knowledge distillation with MLX)"
+DESCRIPTION = (
+    "Train a small draft that imitates VERIFIER: it starts from the verifier's embeddings, "
+    "final norm and a subset of its layers, and learns the verifier's top-k next-token "
+    "distributions. Without --data the verifier writes its own training conversations "
+    "(Magpie). Data and checkpoints are kept in OUTPUT.work/, so --resume continues a "
+    "stopped run; the draft in OUTPUT is refreshed at every checkpoint."
+)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "distill",
-        help="train a draft model for a verifier (knowledge distillation with MLX)",
-        description=(
-            "Train a small draft that imitates VERIFIER: it starts from the verifier's embeddings, "
-            "final norm and a subset of its layers, and learns the verifier's top-k next-token "
-            "distributions. Without --data the verifier writes its own training conversations "
-            "(Magpie). Data and checkpoints are kept in OUTPUT.work/, so --resume continues a "
-            "stopped run; the draft in OUTPUT is refreshed at every checkpoint."
-        ),
-    )
+    p = options.add_command(sub, "distill", HELP, DESCRIPTION)
     p.add_argument("--verifier", required=True, help="verifier: model folder, .gguf file or name")
     p.add_argument("-o", "--output", required=True, help="folder to write the draft model to")
     p.add_argument(

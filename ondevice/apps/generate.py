@@ -6,18 +6,18 @@ import argparse
 import json
 import sys
 
+from ondevice.apps import options
 from ondevice.apps.formatting import format_stats
+
+HELP = "generate text for one prompt (speculative when a draft is given)"
+DESCRIPTION = (
+    "Generate text for one prompt. Text streams to stdout; statistics go to "
+    "stderr. Flags follow mlx_lm.generate's names."
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ondevice.apps import options
-
-    p = sub.add_parser(
-        "generate",
-        help="generate text for one prompt (speculative when a draft is given)",
-        description="Generate text for one prompt. Text streams to stdout; statistics go to "
-        "stderr. Flags follow mlx_lm.generate's names.",
-    )
+    p = options.add_command(sub, "generate", HELP, DESCRIPTION)
     options.add_model_arguments(p.add_argument_group("models"))
     pr = p.add_mutually_exclusive_group(required=True)
     pr.add_argument(
@@ -47,8 +47,6 @@ def _prompt_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ondevice.apps import options
-
     if args.prompt is not None:
         prompt = options.read_prompt(args.prompt)
     else:

