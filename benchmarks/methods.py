@@ -22,9 +22,9 @@ from models_util import add_verifier_argument
 
 from ondevice.models import load_model
 from ondevice.models.transformer import Model
+from ondevice.runtime.decoders import make_decoder
 from ondevice.runtime.engines import MLXEngine
 from ondevice.runtime.plain import PlainGreedyDecoder
-from ondevice.runtime.tree_decoder import make_decoder
 from ondevice.speculative.sampling import SamplingParams
 
 

@@ -18,15 +18,15 @@ from ondevice.errors import OndeviceError
 from ondevice.models import LoadedModel, load_model
 from ondevice.models.tokenizer import Tokenizer, check_pair
 from ondevice.results import Chunk, GenerationResult
+from ondevice.runtime.decoders import METHODS as METHODS
+from ondevice.runtime.decoders import check_method, make_decoder
 from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engine
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
-from ondevice.speculative.decoder import SpeculativeDecoder
 from ondevice.speculative.sampling import Grammar, SamplingParams, Transform
 from ondevice.streaming import decode_chunks
 from ondevice.worker import Worker
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
-METHODS = ("chain", "tree", "pld", "lookahead", "cascade", "auto")
 # Draft backends on other hardware than the verifier, where overlapping the two pays; see
 # docs/benchmarks.md for the CPU measurements that decide the rest.
 PIPELINE_BY_DEFAULT = ("coreml",)
@@ -361,28 +361,18 @@ class Generator:
         )
 
     def _decoder(self, params, seed, num_draft_tokens, speculative, method, pipeline):
-        if method not in METHODS:
-            raise OndeviceError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}.")
-        draft = self.draft if speculative else None
-        opts = {"eos_token_ids": self.tokenizer.eos_token_ids, "seed": seed}
-        if speculative and method != "chain":
-            from ondevice.runtime.tree_decoder import make_decoder
-
-            return make_decoder(method, self.verifier, draft, params,
-                                num_draft_tokens=num_draft_tokens, **opts)  # fmt: skip
-        if draft is None or num_draft_tokens == 0:
-            if params.greedy and params.plain and params.logprobs is None:
-                from ondevice.runtime.plain import PlainGreedyDecoder
-
-                return PlainGreedyDecoder(self.verifier, opts["eos_token_ids"])
-            return SpeculativeDecoder(self.verifier, None, params, **opts)
-        decoder_class = SpeculativeDecoder
-        if pipeline if pipeline is not None else self.draft_backend in PIPELINE_BY_DEFAULT:
-            from ondevice.runtime.pipeline import PipelinedDecoder
-
-            decoder_class = PipelinedDecoder
-        return decoder_class(
-            self.verifier, draft, params, num_draft_tokens=num_draft_tokens, **opts
+        check_method(method)  # also when speculative=False, which decodes plainly
+        if pipeline is None:
+            pipeline = self.draft_backend in PIPELINE_BY_DEFAULT
+        return make_decoder(
+            method if speculative else "chain",
+            self.verifier,
+            self.draft if speculative else None,
+            params,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            seed=seed,
+            num_draft_tokens=num_draft_tokens,
+            pipeline=pipeline,
         )
 
     def _stream(self, dec, ids, max_tokens, stops, cancel):

@@ -8,6 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ondevice.speculative.decoding import Decoder
 from ondevice.speculative.sampling import TokenLogprob
 
 
@@ -32,7 +33,7 @@ class GenerationResult:
 
 
 def generation_stats(
-    dec: Any, n_prompt: int, n_gen: int, elapsed: float, draft_backend: str | None
+    dec: Decoder, n_prompt: int, n_gen: int, elapsed: float, draft_backend: str | None
 ) -> dict[str, Any]:
     """The statistics of a finished generation by decoder `dec` (speed, acceptance, time per
     phase, peak memory since the generation began)."""
@@ -53,5 +54,5 @@ def generation_stats(
         "total_seconds": elapsed,
         "peak_memory_bytes": int(mx.get_peak_memory()),
         "draft_backend": draft_backend if s.drafted else None,
-        **(dec.extra_stats() if hasattr(dec, "extra_stats") else {}),
+        **dec.extra_stats(),
     }

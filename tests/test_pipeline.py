@@ -12,6 +12,7 @@ import pytest
 import tiny
 from support.engines import TableEngine
 from support.stats import chi_square_p, exact_joint
+from test_tree import ALL_TRANSFORMS
 
 from ondevice.models import load_model
 from ondevice.runtime.costmodel import CostModel
@@ -232,13 +233,7 @@ def _joint_counts(verifier, draft, params, rule, n=N_SAMPLES):
         ("leviathan", SamplingParams(1.0, top_p=0.9)),
         ("coupled", SAMPLE),
         # every other transform at once; penalties read the pre-drafted tokens too
-        (
-            "leviathan",
-            SamplingParams(
-                0.8, top_p=0.95, top_k=10, min_p=0.02, repetition_penalty=1.5,
-                presence_penalty=0.7, frequency_penalty=0.8, logit_bias={3: 1.0, 6: -1.0},
-            ),
-        ),  # fmt: skip
+        ("leviathan", ALL_TRANSFORMS),
     ],
     ids=["t1", "top_p", "coupled", "all"],
 )
@@ -250,10 +245,8 @@ def test_pipelined_sampling_matches_the_verifier_distribution(table_pair, rule, 
 
 @pytest.mark.slow
 def test_a_biased_rule_fails_through_the_pipeline(table_pair):
-    from ondevice.speculative.sampling import sample
-
-    def accept_everything(drafts, q, p, rng):
-        return len(drafts), sample(p[len(drafts)], rng)
+    def accept_everything(drafts, q, p, at):
+        return len(drafts), at(len(drafts)).sample(p[len(drafts)])
 
     verifier, draft = table_pair
     counts, _ = _joint_counts(verifier, draft, SAMPLE, accept_everything)
@@ -305,7 +298,10 @@ def test_extra_stats(engines):
     assert 0 <= s["overlap"] <= 1
     # an engine's idle and busy times share the decoding's wall time, and the time both engines
     # are busy (the overlap) lies within either one's busy time
-    for idle, busy in ((s["draft_idle_s"], pipe.time_draft), (s["verify_idle_s"], pipe.time_verify)):
+    for idle, busy in (
+        (s["draft_idle_s"], pipe.time_draft),
+        (s["verify_idle_s"], pipe.time_verify),
+    ):
         assert 0 < busy and idle + busy <= wall + 1e-6
         assert s["overlap"] * (idle + busy) <= busy + 1e-6
     assert s["wasted_drafts"] >= 0 and s["pipelined"] is True

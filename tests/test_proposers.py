@@ -9,20 +9,16 @@ from collections import Counter
 import numpy as np
 import pytest
 from support.engines import TableEngine, TreeTableEngine
-from test_tree import exact  # noqa: F401  (the exact-integration fixture)
+from support.enumeration import law
 
-from ondevice.runtime.tree_decoder import AutoProposer
+from ondevice.runtime.auto import AutoProposer
 from ondevice.runtime.treecost import CostProfile, best_size, engine_key, load_profile
-from ondevice.speculative.proposers import (
-    AcceptanceModel,
-    CascadeProposer,
-    DraftState,
-    DraftTreeProposer,
-    Lookahead,
-    NgramIndex,
-    NoProposal,
-    PromptLookup,
-)
+from ondevice.speculative.cascade import CascadeProposer
+from ondevice.speculative.draft_tree import DraftState, DraftTreeProposer
+from ondevice.speculative.lookahead import Lookahead
+from ondevice.speculative.lookup import AcceptanceModel, NgramIndex, PromptLookup
+from ondevice.speculative.noise import PositionNoise
+from ondevice.speculative.proposers import NoProposal
 from ondevice.speculative.sampling import SamplingParams
 from ondevice.speculative.tree import TokenTree
 
@@ -50,16 +46,16 @@ def test_prompt_lookup_builds_a_tree_of_continuations_within_budget():
     pld = PromptLookup(max_tokens=4, branches=3)
     pld.reset([])
     seq = [1, 2, 3, 9, 1, 2, 3, 8, 4, 2, 3]
-    tree = pld.propose(seq, 10, np.random.default_rng(0))
+    tree = pld.propose(seq, 10, PositionNoise(0))
     assert tree.tokens[0] == 3
     paths = sorted(tree.path_tokens(n) for n in range(len(tree)) if not tree.children[n])
     assert paths == [[8, 4, 2, 3], [9, 1, 2, 3]]
     assert all(q is None for d in tree.draws for _, q in d)  # deterministic proposals
-    assert pld.propose(seq, 2, np.random.default_rng(0)).max_depth == 2
+    assert pld.propose(seq, 2, PositionNoise(0)).max_depth == 2
     capped = PromptLookup(max_tokens=4, branches=3, budget=3)
     capped.reset([])
-    assert capped.propose(seq, 10, np.random.default_rng(0)).size == 3
-    assert pld.propose([1, 2, 5], 10, np.random.default_rng(0)).size == 0  # nothing to copy
+    assert capped.propose(seq, 10, PositionNoise(0)).size == 3
+    assert pld.propose([1, 2, 5], 10, PositionNoise(0)).size == 0  # nothing to copy
 
 
 def test_acceptance_model():
@@ -80,7 +76,7 @@ def test_lookahead_window_layout_pool_and_update():
     la.reset(prompt)
     la.grid = [[1, 2, 3], [10, 11, 9]]
     seq = [*prompt, 4]
-    tree = la.propose(seq, 10, np.random.default_rng(0))
+    tree = la.propose(seq, 10, PositionNoise(0))
     # candidates from the pool: 3-grams of the text starting with 4 -> (5, 7), (5, 6)
     assert tree.path_tokens(tree.children[0][5]) == [5]
     assert sorted(tree.children[tree.children[0][5]]) == [6, 7]
@@ -98,7 +94,7 @@ def test_lookahead_window_layout_pool_and_update():
     assert la.grid[0] == [10, 11, 9] and la.grid[1] == [30, 31, 32]
     # accepting two tokens shifts the window left by one more
     la.grid = [[1, 2, 3], [10, 11, 9]]
-    tree = la.propose(seq, 10, np.random.default_rng(0))
+    tree = la.propose(seq, 10, PositionNoise(0))
     a = la._cells[0, 0]
     target = np.zeros(len(tree), int)
     for (r, j), node in la._cells.items():
@@ -106,7 +102,7 @@ def test_lookahead_window_layout_pool_and_update():
     la.observe(seq, tree, [a], 5, target)
     assert la.grid[0][:2] == [11, 9] and la.grid[1][:2] == [31, 32]
     # depth limit: nothing deeper than max_depth
-    assert la.propose([*seq, 1, 5], 2, np.random.default_rng(0)).max_depth <= 2
+    assert la.propose([*seq, 1, 5], 2, PositionNoise(0)).max_depth <= 2
 
 
 # -- the draft cache --------------------------------------------------------------------------------
@@ -136,20 +132,20 @@ def test_static_and_chain_trees_from_the_draft():
         eng, V, SamplingParams(), mode="static", shape=[(0,), (1,), (0, 0), (0, 0, 0)]
     )
     prop.reset([5, 6])
-    tree = prop.propose([5, 6], 5, np.random.default_rng(0))
+    tree = prop.propose([5, 6], 5, PositionNoise(0))
     # after 6 the draft ranks 7 first and 9 second; then 8, then 5
     assert tree.path_tokens(len(tree) - 1) == [7, 8, 5] and 9 in tree.children[0]
     chain = DraftTreeProposer(eng, V, SamplingParams(), mode="chain", budget=3)
     chain.reset([5, 6])
-    assert chain.propose([5, 6], 5, np.random.default_rng(0)).path_tokens(3) == [7, 8, 5]
-    assert chain.propose([5, 6], 2, np.random.default_rng(0)).size == 2  # depth cap
+    assert chain.propose([5, 6], 5, PositionNoise(0)).path_tokens(3) == [7, 8, 5]
+    assert chain.propose([5, 6], 2, PositionNoise(0)).size == 2  # depth cap
 
 
 def test_dynamic_tree_keeps_the_most_probable_nodes():
     eng = TreeTableEngine.cycle()
     prop = DraftTreeProposer(eng, V, SamplingParams(), mode="dynamic", depth=3, topk=2, budget=4)
     prop.reset([5, 6])
-    tree = prop.propose([5, 6], 5, np.random.default_rng(0))
+    tree = prop.propose([5, 6], 5, PositionNoise(0))
     assert tree.size == 4
     # the greedy chain of the draft is the most probable path, so it is kept whole
     assert tree.path_tokens(tree.children[tree.children[tree.children[0][7]][8]][5]) == [7, 8, 5]
@@ -163,7 +159,7 @@ def test_dynamic_tree_grows_only_as_deep_as_the_costs_pay():
     """A confident chain: on a CPU-like profile (a pass over 3 tokens costs far more than over
     2) the draft is not asked for levels the verifier pass could not afford to check; on a
     flat, GPU-like profile it grows to its full depth."""
-    from ondevice.runtime.tree_decoder import _rate
+    from ondevice.runtime.decoders import _rate
 
     steep = CostProfile([1, 2, 3, 4], [0.26, 0.28, 0.39, 0.49])  # measured 1.5B, MKL, 2 cores
     flat = CostProfile([1, 64], [0.26, 0.27])
@@ -177,7 +173,7 @@ def test_dynamic_tree_grows_only_as_deep_as_the_costs_pay():
         )  # fmt: skip
         prop.reset([5, 6])
         passes = eng.passes
-        tree = prop.propose([5, 6], 8, np.random.default_rng(0))
+        tree = prop.propose([5, 6], 8, PositionNoise(0))
         grown[name] = (eng.passes - passes, tree.size)
     # steep: the catch-up pass only, one draft checked; flat: five expansions, six drafts
     assert grown == {"steep": (1, 1), "flat": (6, 6)}
@@ -200,27 +196,25 @@ def test_cascade_greedy_chain_is_the_drafts_own_and_lookup_saves_passes():
     casc = CascadeProposer(eng, V, SamplingParams(), budget=6)
     casc.reset(prompt)
     passes = eng.passes
-    tree = casc.propose(prompt, 6, np.random.default_rng(0))
+    tree = casc.propose(prompt, 6, PositionNoise(0))
     assert tree.path_tokens(len(tree) - 1) == _draft_greedy(prompt, 6)
     assert eng.passes - passes == 3  # sync + two guessed blocks, instead of sync + 5 steps
     # lookup guesses that are wrong cost passes but do not change the chain
     wrong = [5, 6, 9, 2, 5, 6]
     casc.reset(wrong)
-    assert casc.propose(wrong, 5, np.random.default_rng(0)).path_tokens(5) == _draft_greedy(
-        wrong, 5
-    )
+    assert casc.propose(wrong, 5, PositionNoise(0)).path_tokens(5) == _draft_greedy(wrong, 5)
 
 
-def test_cascade_draft_step_samples_exactly_the_draft(exact):  # noqa: F811
+def test_cascade_draft_step_samples_exactly_the_draft():
     """The draft-side rule (accept the lookup's guess g with q(g), else sample q without g)
     emits exactly q, for every guess."""
     q = np.array([0.1, 0.5, 0.15, 0.25])
     casc = CascadeProposer(TableEngine.cycle(), 4, SamplingParams(1.0))
     for g in (None, 0, 1, 3):
-        law = Counter()
-        for (x, _), pr in exact(lambda r, g=g: casc._step(q, g, r)).items():
-            law[x] += pr
-        np.testing.assert_allclose([law[i] for i in range(4)], q, atol=1e-12)
+        emitted = Counter()
+        for (x, _), pr in law(lambda r, g=g: casc._step(q, g, r)).items():
+            emitted[x] += pr
+        np.testing.assert_allclose([emitted[i] for i in range(4)], q, atol=1e-12)
 
 
 # -- auto ---------------------------------------------------------------------------------------------
@@ -236,7 +230,7 @@ class _Fixed:
     def reset(self, prompt):
         pass
 
-    def propose(self, seq, max_depth, rng):
+    def propose(self, seq, max_depth, noise):
         self.calls += 1
         t = TokenTree.root(seq[-1])
         t.add_path(range(self.n))
@@ -249,7 +243,7 @@ class _Fixed:
 def _drive(auto, rounds):
     seq = [1]
     for _ in range(rounds):
-        tree = auto.propose(seq, 10, np.random.default_rng(0))
+        tree = auto.propose(seq, 10, PositionNoise(0))
         current = next(p for p in auto.proposers if p.name == auto.last_name)
         good = getattr(current, "good", 0)
         auto.observe(seq, tree, tree.path(good) if good else [], 0, np.zeros(len(tree), int))

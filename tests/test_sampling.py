@@ -12,8 +12,8 @@ from test_server import LiveServer, write_model
 
 import ondevice
 from ondevice.errors import OndeviceError
+from ondevice.runtime.decoders import make_decoder
 from ondevice.runtime.engines import MLXEngine
-from ondevice.runtime.tree_decoder import make_decoder
 from ondevice.speculative.decoder import SpeculativeDecoder
 from ondevice.speculative.sampling import SamplingParams, Transform, probabilities
 

@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 import tiny
 from support.engines import MemoEngine
-from support.stats import chi_square_p
+from support.enumeration import assert_emits_the_verifier_law, law, random_dist
+from support.stats import chi_square_p, exact_joint
 
 import ondevice
 from ondevice.errors import ContextLengthError, OndeviceError, TokenizerMismatchError
 from ondevice.models import load_model
 from ondevice.speculative import accept
 from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams, Transform, probabilities
+from ondevice.speculative.sampling import SamplingParams, probabilities
 
 PROMPTS = [
     "hello world",
@@ -178,65 +179,8 @@ def test_mismatched_tokenizers_fail_before_generation(tmp_path):
 
 
 # -- the acceptance rule by exact enumeration ------------------------------------------------
-
-
-class _Need(Exception):
-    pass
-
-
-class _ScriptedRng:
-    """Plays back a fixed list of uniforms; asks for more by raising `_Need`."""
-
-    def __init__(self, script):
-        self.script, self.i = script, 0
-
-    def random(self):
-        if self.i == len(self.script):
-            raise _Need
-        self.i += 1
-        return self.script[self.i - 1]
-
-
-def _exact_outcomes(fn, breakpoints):
-    """{outcome: probability} of fn(rng), integrating over every uniform it draws exactly.
-
-    fn's control flow depends on each uniform only through comparisons with values in
-    `breakpoints`, so it is constant between consecutive breakpoints: one evaluation at the
-    midpoint of each interval, weighted by the interval's length, is exact."""
-    pts = np.unique(np.concatenate([[0.0, 1.0], np.clip(breakpoints, 0, 1)]))
-    mids, widths = (pts[1:] + pts[:-1]) / 2, np.diff(pts)
-    out: Counter = Counter()
-
-    def rec(script, weight):
-        try:
-            res = fn(_ScriptedRng(script))
-        except _Need:
-            for m, w in zip(mids, widths):
-                if w > 0:
-                    rec([*script, m], weight * w)
-            return
-        out[res] += weight
-
-    rec([], 1.0)
-    return out
-
-
-def _breakpoints(ps, qs):
-    bps = []
-    for p, q in zip(ps, qs):
-        with np.errstate(divide="ignore", invalid="ignore"):
-            bps.extend(np.where(q > 0, p / q, 0))
-        bps.extend(np.cumsum(p))
-        r = np.maximum(p - q, 0)
-        if r.sum() > 0:
-            bps.extend(np.cumsum(r / r.sum()))
-    return np.array(bps)
-
-
-def _random_dist(rng, v, zeros=0):
-    x = rng.random(v) ** 2
-    x[rng.choice(v, zeros, replace=False)] = 0
-    return x / x.sum()
+# `accept.speculative` is the rule every chain decoder runs (with position-keyed noise for `at`);
+# here its random source is `support.enumeration`'s, which walks every outcome.
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -245,10 +189,10 @@ def test_chain_rule_emits_exactly_p_two_positions(seed):
     emitted tokens equals the verifier's p(x1) p(x2 | x1), to rounding."""
     rng = np.random.default_rng(seed)
     V = 4
-    p1, q1 = _random_dist(rng, V), _random_dist(rng, V, zeros=1)
-    p2 = {x: _random_dist(rng, V, zeros=seed % 2) for x in range(V)}
-    q2 = {x: _random_dist(rng, V) for x in range(V)}
-    p3 = {x: _random_dist(rng, V) for x in range(V)}  # bonus position after two drafts
+    p1, q1 = random_dist(rng, V), random_dist(rng, V, zeros=1)
+    p2 = {x: random_dist(rng, V, zeros=seed % 2) for x in range(V)}
+    q2 = {x: random_dist(rng, V) for x in range(V)}
+    p3 = {x: random_dist(rng, V) for x in range(V)}  # bonus position after two drafts
     joint: Counter = Counter()
     for d1, d2 in itertools.product(range(V), range(V)):
         w = q1[d1] * q2[d1][d2]
@@ -263,22 +207,9 @@ def test_chain_rule_emits_exactly_p_two_positions(seed):
             second = (d2 if n == 2 else tok) if n >= 1 else None
             return first, second, n
 
-        bps = _breakpoints([p1, p2[d1], p3[d2]], [q1, q2[d1], np.zeros(V)])
-        for (first, second, n), pr in _exact_outcomes(fn, bps).items():
+        for (first, second, n), pr in law(fn).items():
             joint[(first, second, n)] += w * pr
-    # first token: exactly p1
-    first = np.zeros(V)
-    for (f, _, _), pr in joint.items():
-        first[f] += pr
-    np.testing.assert_allclose(first, p1, atol=1e-12)
-    # second token, given the first was an accepted draft (n >= 1): exactly p2[first]
-    for f in range(V):
-        cond = np.zeros(V)
-        for (ff, s, n), pr in joint.items():
-            if ff == f and n >= 1:
-                cond[s] += pr
-        if cond.sum() > 1e-12:
-            np.testing.assert_allclose(cond / cond.sum(), p2[f], atol=1e-9)
+    assert_emits_the_verifier_law(joint, p1, p2)
 
 
 def test_greedy_rule():
@@ -292,17 +223,16 @@ def test_enumeration_catches_a_rule_without_the_residual():
     residual after a rejection) to be biased, so the check above has teeth."""
     p, q = np.array([0.6, 0.3, 0.1]), np.array([0.2, 0.2, 0.6])
 
-    def wrong(drafts, q, p, rng):
+    def wrong(drafts, q, p, at):
         x = drafts[0]
-        if rng.random() * q[0, x] < p[0, x]:
+        if at(0).uniform() < accept.acceptance_probability(p[0], x, q[0]):
             return 1, 0
-        return 0, accept.sample(p[0], rng)
+        return 0, at(0).resample(p[0])
 
     first = np.zeros(3)
     for d in range(3):
-        outcomes = _exact_outcomes(
-            lambda r, d=d: (lambda n, t: d if n else t)(*wrong([d], q[None], np.stack([p, p]), r)),
-            _breakpoints([p], [q]),
+        outcomes = law(
+            lambda r, d=d: (lambda n, t: d if n else t)(*wrong([d], q[None], np.stack([p, p]), r))
         )
         for tok, pr in outcomes.items():
             first[tok] += q[d] * pr
@@ -340,15 +270,7 @@ def _joint_counts(verifier, draft, params, prompt, n, rule=None, k=3):
 
 
 def _exact_joint(verifier, params, prompt):
-    tf = Transform(params, len(verifier._row(prompt)))  # penalties read the context
-    tf.start(prompt)
-    p1 = tf.probs(verifier._row(prompt), list(prompt))
-    return {
-        (a, b): p1[a] * tf.probs(verifier._row([*prompt, a]), [*prompt, a])[b]
-        for a in range(len(p1))
-        if p1[a] > 0
-        for b in range(len(p1))
-    }
+    return dict(np.ndenumerate(exact_joint(verifier, prompt, params)))
 
 
 @pytest.fixture(scope="module")
@@ -392,8 +314,8 @@ def test_a_biased_rule_fails_the_distribution_test(small_vocab_pair):
     ver, dra = small_vocab_pair
     params = SamplingParams(1.0)
 
-    def accept_everything(drafts, q, p, rng):
-        return len(drafts), accept.sample(p[len(drafts)], rng)
+    def accept_everything(drafts, q, p, at):
+        return len(drafts), at(len(drafts)).sample(p[len(drafts)])
 
     counts = _joint_counts(ver, dra, params, PROMPT, N_SAMPLES, rule=accept_everything)
     assert chi_square_p(counts, _exact_joint(ver, params, PROMPT)) < 1e-6

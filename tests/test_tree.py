@@ -12,24 +12,17 @@ import numpy as np
 import pytest
 import tiny
 from support.engines import MemoEngine
-from support.stats import chi_square_p
+from support.enumeration import assert_emits_the_verifier_law, law, random_dist
+from support.stats import chi_square_p, exact_joint
 
-import ondevice.speculative.proposers as proposers_mod
-import ondevice.speculative.tree as tree_mod
 from ondevice.models import load_model
-from ondevice.runtime.engines import MLXEngine
-from ondevice.runtime.tree_decoder import METHODS, MLXTreeEngine, make_decoder
+from ondevice.runtime.decoders import METHODS, make_decoder
+from ondevice.runtime.engines import MLXEngine, MLXTreeEngine
 from ondevice.runtime.treecost import SIZES, CostProfile, device_name, engine_key, profile_path
-from ondevice.speculative.proposers import DraftState
-from ondevice.speculative.sampling import SamplingParams, Transform
-from ondevice.speculative.tree import (
-    TokenTree,
-    accept_greedy,
-    accept_sampled,
-    acceptance_probability,
-    after_rejection,
-    check_shape,
-)
+from ondevice.speculative import accept
+from ondevice.speculative.draft_tree import DraftState
+from ondevice.speculative.sampling import SamplingParams
+from ondevice.speculative.tree import TokenTree, check_shape
 
 # -- structure -------------------------------------------------------------------------------------
 
@@ -80,101 +73,20 @@ def test_accept_greedy_takes_the_longest_matching_path():
     c = t.add(a, 5)
     t.add(c, 6)
     # target[i]: the verifier's argmax after node i
-    assert accept_greedy(t, [3, 5, 0, 9, 0]) == ([a, c], 9)
-    assert accept_greedy(t, [4, 0, 8, 0, 0]) == ([2], 8)
-    assert accept_greedy(t, [9, 0, 0, 0, 0]) == ([], 9)
+    assert accept.greedy_tree(t, [3, 5, 0, 9, 0]) == ([a, c], 9)
+    assert accept.greedy_tree(t, [4, 0, 8, 0, 0]) == ([2], 8)
+    assert accept.greedy_tree(t, [9, 0, 0, 0, 0]) == ([], 9)
 
 
 # -- the acceptance rule by exact enumeration ------------------------------------------------------
+# `accept.multi_draft` is the rule the tree decoder runs (with position-keyed noise for `at`);
+# here its random source is `support.enumeration`'s, which walks every outcome.
 
 
-class _Need(Exception):
-    pass
-
-
-class _Probe(float):
-    """A uniform whose comparisons record the thresholds they compare it with."""
-
-    seen: list[float] = []
-
-    def __lt__(self, other):
-        _Probe.seen.append(float(other))
-        return float(self) < float(other)
-
-
-class _Rng:
-    """Plays back fixed uniforms; the first uniform past the script is a `_Probe`, and asking for
-    one more raises `_Need`."""
-
-    cdf: np.ndarray | None = None  # set by the instrumented `sample` just before it draws
-
-    def __init__(self, script):
-        self.script, self.i = script, 0
-        self.thresholds: list[float] | None = None
-
-    def random(self):
-        cdf, _Rng.cdf = _Rng.cdf, None
-        if self.i < len(self.script):
-            self.i += 1
-            return self.script[self.i - 1]
-        if self.thresholds is not None:
-            raise _Need
-        self.thresholds = [] if cdf is None else list(cdf)
-        _Probe.seen = self.thresholds
-        return _Probe(0.5)
-
-
-@pytest.fixture
-def exact(monkeypatch):
-    """`integrate(fn)`: the exact law {outcome: probability} of fn(rng) over its uniforms.
-
-    The code under test uses a uniform only by comparing it with thresholds fixed before it is
-    drawn (`u < a`, or inverse-CDF sampling), so each uniform's thresholds are learnt with a probe,
-    [0, 1] is split at them, and one run per interval (at its midpoint, weighted by its width)
-    covers the interval exactly."""
-    real = tree_mod.sample
-
-    def recording_sample(p, rng):
-        c = np.cumsum(p)
-        _Rng.cdf = c / c[-1]
-        return real(p, rng)
-
-    monkeypatch.setattr(tree_mod, "sample", recording_sample)
-    monkeypatch.setattr(proposers_mod, "sample", recording_sample)
-
-    def integrate(fn) -> Counter:
-        out: Counter = Counter()
-
-        def rec(script, weight):
-            rng = _Rng(script)
-            try:
-                res = fn(rng)
-            except _Need:
-                res = None
-            if rng.thresholds is None:
-                out[res] += weight
-                return
-            pts = np.unique(np.clip([0.0, 1.0, *rng.thresholds], 0, 1))
-            for lo, hi in zip(pts[:-1], pts[1:]):
-                if hi > lo:
-                    rec([*script, (lo + hi) / 2], weight * (hi - lo))
-
-        rec([], 1.0)
-        return out
-
-    return integrate
-
-
-def _rand_dist(rng, v, zeros=0):
-    x = rng.random(v) ** 2
-    x[rng.choice(v, zeros, replace=False)] = 0
-    return x / x.sum()
-
-
-def _first_token_law(integrate, p, qs, det, rule, V):
+def _first_token_law(p, qs, det, rule, V):
     """Exact law of the token emitted first at a node whose draws are i.i.d. samples from each q
     in `qs` (in order, enumerated over all outcomes) followed by deterministic tokens `det`."""
-    law = np.zeros(V)
+    out = np.zeros(V)
     for sampled in itertools.product(range(V), repeat=len(qs)):
         w = np.prod([q[x] for q, x in zip(qs, sampled)])
         if w == 0:
@@ -190,9 +102,9 @@ def _first_token_law(integrate, p, qs, det, rule, V):
             path, tok = rule(tree, rows, r)
             return tree.tokens[path[0]] if path else tok
 
-        for tok, pr in integrate(fn).items():
-            law[tok] += w * pr
-    return law
+        for tok, pr in law(fn).items():
+            out[tok] += w * pr
+    return out
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -200,12 +112,12 @@ def _first_token_law(integrate, p, qs, det, rule, V):
     "draws",
     ["one sampled", "three iid", "two q's", "top-2 deterministic", "mixed"],
 )
-def test_multi_draft_rule_emits_exactly_p(exact, seed, draws):
+def test_multi_draft_rule_emits_exactly_p(seed, draws):
     """SpecInfer/SpecTr recursive rejection over i.i.d. sampled children, EAGLE's rule over
     deterministic children, and a mix of both: the first token's law is exactly p."""
     rng = np.random.default_rng(seed)
     V = 4
-    p, q, q2 = _rand_dist(rng, V, zeros=seed % 2), _rand_dist(rng, V, 1), _rand_dist(rng, V)
+    p, q, q2 = random_dist(rng, V, zeros=seed % 2), random_dist(rng, V, 1), random_dist(rng, V)
     qs, det = {
         "one sampled": ([q], []),
         "three iid": ([q, q, q], []),
@@ -213,19 +125,19 @@ def test_multi_draft_rule_emits_exactly_p(exact, seed, draws):
         "top-2 deterministic": ([], list(np.argsort(-q)[:2])),
         "mixed": ([q2], [int(np.argmax(q)), 1]),
     }[draws]
-    law = _first_token_law(exact, p, qs, det, accept_sampled, V)
+    law = _first_token_law(p, qs, det, accept.multi_draft, V)
     np.testing.assert_allclose(law, p, atol=1e-12)
 
 
-def test_two_level_tree_emits_the_verifier_joint_law(exact):
+def test_two_level_tree_emits_the_verifier_joint_law():
     """Root with two i.i.d. draws, each child with two i.i.d. draws (context-dependent p and q):
     the first token follows p1, and the second, given the first was an accepted draft, follows
     p2[first] exactly."""
     rng = np.random.default_rng(7)
     V = 3
-    p1, q1 = _rand_dist(rng, V), _rand_dist(rng, V)
-    p2 = {x: _rand_dist(rng, V) for x in range(V)}
-    q2 = {x: _rand_dist(rng, V, zeros=x % 2) for x in range(V)}
+    p1, q1 = random_dist(rng, V), random_dist(rng, V)
+    p2 = {x: random_dist(rng, V) for x in range(V)}
+    q2 = {x: random_dist(rng, V, zeros=x % 2) for x in range(V)}
     joint: Counter = Counter()
     for a, b in itertools.product(range(V), repeat=2):
         for c, d, e, f in itertools.product(range(V), repeat=4):
@@ -242,63 +154,41 @@ def test_two_level_tree_emits_the_verifier_joint_law(exact):
                 rows[node] = p2[tree.tokens[node]] if d1 else np.full(V, 1 / V)
 
             def fn(r, tree=tree, rows=rows):
-                path, tok = accept_sampled(tree, rows.__getitem__, r)
+                path, tok = accept.multi_draft(tree, rows.__getitem__, r)
                 toks = [tree.tokens[n] for n in path] + [tok, None]
                 return toks[0], toks[1], len(path)
 
-            for (x1, x2, n), pr in exact(fn).items():
+            for (x1, x2, n), pr in law(fn).items():
                 joint[x1, x2, n] += w * pr
-    first = np.zeros(V)
-    for (x1, _, _), pr in joint.items():
-        first[x1] += pr
-    np.testing.assert_allclose(first, p1, atol=1e-12)
-    for x1 in range(V):
-        cond = np.zeros(V)
-        for (y1, x2, n), pr in joint.items():
-            if y1 == x1 and n >= 1:
-                cond[x2] += pr
-        np.testing.assert_allclose(cond / cond.sum(), p2[x1], atol=1e-9)
+    assert_emits_the_verifier_law(joint, p1, p2)
 
 
-def _no_residual_rule(tree, p, rng):
-    """Deliberately wrong: each sibling is tested against the verifier's p itself instead of
-    the residual left by the siblings rejected before it (no residual update)."""
-    row = p if callable(p) else p.__getitem__
-    node, path = 0, []
-    while True:
-        r = row(node)
-        nxt = None
-        for tok, q in tree.draws[node]:
-            if rng.random() < acceptance_probability(r, tok, q):
-                nxt = tree.children[node][tok]
-                break
-        if nxt is None:
-            last_tok, last_q = tree.draws[node][-1] if tree.draws[node] else (0, None)
-            final = after_rejection(r, last_tok, last_q) if tree.draws[node] else r
-            return path, tree_mod.sample(final, rng)
-        path.append(nxt)
-        node = nxt
+def _without_the_residual_update(monkeypatch):
+    """Deliberately wrong: each draw is tested against the verifier's p itself instead of the
+    residual left by the draws rejected before it."""
+    monkeypatch.setattr(accept, "residual", lambda r, token, q: r)
 
 
-def test_enumeration_catches_a_rule_without_the_residual_update(exact):
+def test_enumeration_catches_a_rule_without_the_residual_update(monkeypatch):
+    _without_the_residual_update(monkeypatch)
     rng = np.random.default_rng(1)
     V = 4
-    p, q = _rand_dist(rng, V), _rand_dist(rng, V)
-    law = _first_token_law(exact, p, [q, q, q], [], _no_residual_rule, V)
+    p, q = random_dist(rng, V), random_dist(rng, V)
+    law = _first_token_law(p, [q, q, q], [], accept.multi_draft, V)
     assert np.abs(law - p).max() > 0.02
-    law = _first_token_law(exact, p, [], [0, 1], _no_residual_rule, V)
+    law = _first_token_law(p, [], [0, 1], accept.multi_draft, V)
     assert np.abs(law - p).max() > 0.02
 
 
 def test_rejection_helpers():
     r = np.array([0.5, 0.3, 0.2])
-    assert acceptance_probability(r, 1, None) == pytest.approx(0.3)
-    assert acceptance_probability(r, 0, np.array([0.25, 0.5, 0.25])) == 1.0
-    assert acceptance_probability(r, 1, np.array([0.0, 0.6, 0.4])) == pytest.approx(0.5)
-    np.testing.assert_allclose(after_rejection(r, 0, None), [0, 0.6, 0.4])
-    np.testing.assert_allclose(after_rejection(r, 1, np.array([0.1, 0.6, 0.3])), [1, 0, 0])
+    assert accept.acceptance_probability(r, 1, None) == pytest.approx(0.3)
+    assert accept.acceptance_probability(r, 0, np.array([0.25, 0.5, 0.25])) == 1.0
+    assert accept.acceptance_probability(r, 1, np.array([0.0, 0.6, 0.4])) == pytest.approx(0.5)
+    np.testing.assert_allclose(accept.residual(r, 0, None), [0, 0.6, 0.4])
+    np.testing.assert_allclose(accept.residual(r, 1, np.array([0.1, 0.6, 0.3])), [1, 0, 0])
     # rejection impossible (r == q): the residual is defined as r itself
-    np.testing.assert_allclose(after_rejection(r, 0, r), r)
+    np.testing.assert_allclose(accept.residual(r, 0, r), r)
 
 
 # -- tree passes on the MLX model --------------------------------------------------------------
@@ -518,31 +408,25 @@ PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]  # repeats: prompt lookup (inside the cascade 
 
 
 def _exact_joint(ver, params, prompt):
-    tf = Transform(params, len(ver.row(prompt)))  # penalties read the context
-    tf.start(prompt)
-    p1 = tf.probs(ver.row(prompt), list(prompt))
-    return {
-        (a, b): p1[a] * tf.probs(ver.row([*prompt, a]), [*prompt, a])[b]
-        for a in range(len(p1))
-        if p1[a] > 0
-        for b in range(len(p1))
-    }
+    return dict(np.ndenumerate(exact_joint(ver, prompt, params)))
 
 
-def _joint_counts(method, ver, dra, params, rule=None, **kw):
-    dec = make_decoder(
-        method, ver, dra, params, seed=1234, num_draft_tokens=3, profile=False, rule=rule, **kw
-    )
+def _joint_counts(method, ver, dra, params, **kw):
+    """The first two tokens of N_SAMPLES generations, one seed each (a seed's randomness is keyed
+    by position, so one seed always gives the same tokens)."""
     counts: Counter = Counter()
     drafted = accepted = 0
-    for _ in range(N_SAMPLES):
+    for seed in range(N_SAMPLES):
+        dec = make_decoder(
+            method, ver, dra, params, seed=seed, num_draft_tokens=3, profile=False, **kw
+        )
         toks: list[int] = []
         for r in dec.run(PROMPT, 3):  # room for a depth-2 tree in the first round
             toks.extend(r.tokens)
             if len(toks) >= 2:
                 break
         counts[tuple(toks[:2])] += 1
-    drafted, accepted = dec.stats.drafted, dec.stats.accepted
+        drafted, accepted = drafted + dec.stats.drafted, accepted + dec.stats.accepted
     return counts, drafted, accepted
 
 
@@ -577,10 +461,9 @@ def test_sampled_methods_match_the_verifier_distribution(small_vocab, method, pa
 
 
 @pytest.mark.slow
-def test_a_tree_rule_without_the_residual_update_fails_the_test(small_vocab):
+def test_a_tree_rule_without_the_residual_update_fails_the_test(small_vocab, monkeypatch):
     ver, dra = small_vocab
     params = SamplingParams(1.0)
-    counts, _, _ = _joint_counts(
-        "tree", ver, dra, params, rule=_no_residual_rule, tree_mode="sampled"
-    )
+    _without_the_residual_update(monkeypatch)
+    counts, _, _ = _joint_counts("tree", ver, dra, params, tree_mode="sampled")
     assert chi_square_p(counts, _exact_joint(ver, params, PROMPT)) < 1e-6

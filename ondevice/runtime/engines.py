@@ -3,7 +3,8 @@
 The speculative decoder only needs three things of a model: feed tokens and get logits back,
 forget the last n tokens, and know how many tokens it holds. The verifier is always MLX; a draft
 is MLX, Core ML (macOS 15+, Neural Engine) or the reference executor (the same `.mlpackage` run
-in numpy, any OS).
+in numpy, any OS). `MLXTreeEngine` adds the tree passes (any attention mask, keep a subset of the
+cache) that tree decoding needs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ import numpy as np
 from ondevice.models.transformer import Model
 from ondevice.speculative.engine import Engine
 
-__all__ = ["DRAFT_BACKENDS", "Engine", "MLXEngine", "TimedEngine", "make_draft_engine"]
+__all__ = [
+    "DRAFT_BACKENDS",
+    "Engine",
+    "MLXEngine",
+    "MLXTreeEngine",
+    "TimedEngine",
+    "make_draft_engine",
+    "tree_engine",
+]
 
 
 class MLXEngine:
@@ -60,16 +69,14 @@ class MLXEngine:
         self.cache.trim(n)
 
 
-class TimedEngine:
-    """Wraps an engine and accumulates the wall time spent in its calls."""
+class _Wrapper:
+    """Another engine's model and cache, by delegation (subclasses add to what it can do)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.name = engine.name
         self.vocab_size = engine.vocab_size
         self.context_length = engine.context_length
-        self.seconds = 0.0
-        self.calls = 0
 
     @property
     def length(self) -> int:
@@ -79,14 +86,62 @@ class TimedEngine:
         self.engine.reset()
 
     def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray:
+        return self.engine.feed(tokens, last_only)
+
+    def trim(self, n: int) -> None:
+        self.engine.trim(n)
+
+
+class TimedEngine(_Wrapper):
+    """Wraps an engine and accumulates the wall time spent in its calls."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(engine)
+        self.seconds = 0.0
+        self.calls = 0
+
+    def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray:
         t = time.perf_counter()
         out = self.engine.feed(tokens, last_only)
         self.seconds += time.perf_counter() - t
         self.calls += 1
         return out
 
-    def trim(self, n: int) -> None:
-        self.engine.trim(n)
+
+class MLXTreeEngine(_Wrapper):
+    """An `MLXEngine` (same model, same cache) that can also score tokens under any attention
+    mask at explicit positions, and keep a subset of the last cache entries."""
+
+    engine: MLXEngine
+
+    def __init__(self, engine: MLXEngine):
+        super().__init__(engine)
+        self.model = engine.model
+
+    def feed_masked(
+        self, tokens: Sequence[int], positions: Sequence[int], visible: np.ndarray
+    ) -> np.ndarray:
+        """Append `tokens` at `positions`; token i attends where `visible[i]` is True, over the
+        new tokens (L, L; the cached prefix is visible to all) or the whole cache (L, cache+L).
+        Returns float32 logits (L, vocab)."""
+        mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
+        logits = self.engine.model(
+            mx.array([list(tokens)]),
+            self.engine.cache,
+            positions=mx.array(np.asarray(positions, np.int32)),
+            mask=mask,
+        )[0]
+        return np.array(logits.astype(mx.float32))
+
+    def keep(self, n_recent: int, indices: Sequence[int]) -> None:
+        self.engine.cache.keep(n_recent, indices)
+
+
+def tree_engine(engine: Engine) -> Engine:
+    """`engine` with tree passes when it can have them (MLX); other engines as they are."""
+    if isinstance(engine, MLXEngine):
+        return MLXTreeEngine(engine)
+    return engine
 
 
 DRAFT_BACKENDS = ("auto", "coreml", "reference", "mlx")
@@ -159,7 +214,9 @@ def make_draft_engine(
     from ondevice.errors import CoreMLUnavailableError, OndeviceError
 
     if backend not in DRAFT_BACKENDS:
-        raise OndeviceError(f"unknown draft backend {backend!r}; choose one of {', '.join(DRAFT_BACKENDS)}.")
+        raise OndeviceError(
+            f"unknown draft backend {backend!r}; choose one of {', '.join(DRAFT_BACKENDS)}."
+        )
     if backend in ("auto", "coreml") and mlpackage is not None:
         from ondevice.runtime.coreml_engines import CoreMLDraftEngine
 

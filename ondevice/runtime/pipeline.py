@@ -37,20 +37,14 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
-from ondevice.errors import ContextLengthError
 from ondevice.runtime import threads
 from ondevice.runtime.costmodel import CostModel
-from ondevice.speculative.decoder import (
-    CustomRule,
-    DecodeStats,
-    DraftLength,
-    Round,
-    TokenChooser,
-    block_length,
-)
+from ondevice.speculative.decoder import ChainDecoder, block_length
+from ondevice.speculative.decoding import Round, Step
 from ondevice.speculative.engine import Engine, prefill
 from ondevice.speculative.sampling import SamplingParams
 
@@ -196,70 +190,42 @@ def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) 
 # -- the decoder ------------------------------------------------------------------------------
 
 
-class PipelinedDecoder:
-    """Same interface as `SpeculativeDecoder` (run, stats, time_*), plus `extra_stats()`."""
+class PipelinedDecoder(ChainDecoder):
+    """A `Decoder` with the tokens of `SpeculativeDecoder` (same seed, same tokens); the options
+    are `ChainDecoder`'s."""
+
+    draft: Engine
 
     def __init__(
-        self,
-        verifier: Engine,
-        draft: Engine,
-        params: SamplingParams,
-        *,
-        eos_token_ids: Sequence[int] = (),
-        seed: int | None = None,
-        num_draft_tokens: int | None = None,
-        rule: str | CustomRule | None = None,
-        k_max: int = 12,
+        self, verifier: Engine, draft: Engine, params: SamplingParams, **options: Any
     ) -> None:
         if draft is None:
             raise ValueError("the pipelined decoder needs a draft engine")
-        if num_draft_tokens is not None and num_draft_tokens < 0:
-            raise ValueError("num_draft_tokens must be >= 0")
-        self.verifier = verifier
-        self.draft = draft
-        self.params = params
-        self.eos = frozenset(eos_token_ids)
-        self.chooser = TokenChooser(params, verifier.vocab_size, seed, rule)
-        self.k = DraftLength(num_draft_tokens, high=k_max)
+        super().__init__(verifier, draft, params, **options)
         # the clock may choose block lengths only where they cannot change the output
-        self.timed = params.greedy and num_draft_tokens is None
-        self.k_max = k_max
+        self.timed = params.greedy and self.k.fixed is None
+        self.k_max = self.k.high
         self.cost = CostModel()
         self.explore_every = 16  # rounds
         # rounds since a pass with / without drafting beside it; the second round measures a
         # pass alone, so the contention is known early
         self._since = {True: 0, False: self.explore_every - 1}
-        self.stats = DecodeStats()
-        self.time_draft = 0.0
-        self.time_verify = 0.0
-        self.time_prefill = 0.0
         self.wasted_drafts = 0
         self.prefetch_hits = 0  # blocks that were fully drafted before the verifier asked
         self.in_flight: _Pending | None = None  # the verifier pass now running, if any
         self._draft_busy: list[tuple[float, float]] = []
         self._verify_busy: list[tuple[float, float]] = []
-        self._t_start = self._t_end = 0.0
         self._k_used: list[int] = []
+        self._seq: list[int] = []  # the committed sequence of the current run
         # per-call measurements, for benchmarks that check the cost model
         self.calls: dict[str, list] = {"verify": [], "draft": [], "host": []}
 
     # -- setup ----------------------------------------------------------------------------------
 
-    def _prefill(self, prompt: Sequence[int], resume: bool = False) -> None:
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        limit = self.verifier.context_length
-        if len(prompt) >= limit:
-            raise ContextLengthError(
-                f"the prompt has {len(prompt)} tokens but the model's context is {limit} tokens; "
-                "shorten the prompt."
-            )
-        t = time.perf_counter()
-        prefill(self.verifier, prompt[:-1], resume)
+    def prefill_rest(self, prompt: Sequence[int], resume: bool) -> None:
         with self._stream():
             prefill(self.draft, prompt[:-1], resume)
         self.chooser.start(prompt)
-        self.time_prefill += time.perf_counter() - t
 
     # -- drafting -------------------------------------------------------------------------------
 
@@ -316,126 +282,112 @@ class PipelinedDecoder:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def run(
-        self, prompt: Sequence[int], max_tokens: int, resume: bool = False
-    ) -> Iterator[Round]:
+    def run(self, prompt: Sequence[int], max_tokens: int, resume: bool = False) -> Iterator[Round]:
         """As `SpeculativeDecoder.run` (resume: the caches already hold a prefix of `prompt`)."""
         self._stream = _mlx_draft_stream if _is_mlx(self.draft) else _NoStream
-        self._prefill(prompt, resume)
-        submitter = (
+        seq = list(prompt)
+        self.prefill(seq, resume)
+        self._submitter = (
             _MLXVerifier(self.verifier)
             if _is_mlx(self.verifier)
             else _ThreadVerifier(self.verifier)
         )
-        try:
-            yield from self._loop(list(prompt), max_tokens, submitter)
-        finally:
-            submitter.close()  # waits for any pass in flight: nothing runs after this
-            if self.in_flight is not None and self.in_flight.done():
-                self.in_flight = None
-            self.wasted_drafts += len(self._chain)
-            self._chain = []
-
-    def _loop(self, seq: list[int], max_tokens: int, submitter) -> Iterator[Round]:
         self._seq = seq
         self._chain: list[int] = []
         self._chain_q: list[np.ndarray | None] = []
         self._chain_conf: list[float] = []
         self._t_start = self._t_end = time.perf_counter()
-        produced = 0
-        limit = self.verifier.context_length
-        fresh = True  # no pre-drafted block is waiting
-        while produced < max_tokens:
-            room = min(max_tokens - produced, limit - len(seq))
-            if room <= 0:
-                yield Round([], [], 0, 0, "length")
-                return
-            draft_room = self.draft.context_length - len(seq) - 1
-            kmax = max(0, min(room - 1, draft_room))
-            # 1. the block: pre-drafted tokens at the front of the chain, or draft them now
-            k = self._target_k(kmax)
-            if self.timed and not fresh:
-                # the verifier is ready: take what is drafted (at least one token)
-                k = min(k, max(1, len(self._chain)))
+        self._fresh = True  # no pre-drafted block is waiting
+        try:
+            yield from self.rounds(seq, max_tokens)
+        finally:
+            self._submitter.close()  # waits for any pass in flight: nothing runs after this
+            if self.in_flight is not None and self.in_flight.done():
+                self.in_flight = None
+            self.wasted_drafts += len(self._chain)
+            self._chain = []
+
+    def step(self, seq: list[int], room: int) -> Step:
+        draft_room = self.draft.context_length - len(seq) - 1
+        kmax = max(0, min(room - 1, draft_room))
+        block, q = self._block(kmax)  # 1. pre-drafted, or drafted now
+        K = len(block)
+        logits = self._verify(seq, block, kmax, room)  # 2-3. drafting on meanwhile
+        # 4. decide, exactly as the sequential decoder does
+        t_host = time.perf_counter()
+        n, tok = self.chooser.decide(block, q, logits, len(seq), seq)
+        self.verifier.trim(K - n)
+        hit = n == K and len(self._chain) > K and self._chain[K] == tok
+        if hit:
+            self.prefetch_hits += 1
+            del self._chain[: K + 1], self._chain_q[: K + 1], self._chain_conf[: K + 1]
+        else:
+            self.wasted_drafts += max(0, len(self._chain) - K)
+            self._chain, self._chain_q, self._chain_conf = [], [], []
+            keep = len(seq) + n  # the draft's cache stays valid up to the accepted drafts
+            self.draft.trim(max(0, self.draft.length - keep))
+        self._fresh = not hit
+        self.k.update(K, n)
+        self.cost.observe_block(K, n)
+        self._k_used.append(K)
+        self._logits = logits
+        host = time.perf_counter() - t_host
+        self.cost.observe_host(host)
+        self.calls["host"].append(host)
+        self._t_end = time.perf_counter()
+        return Step([*block[:n], tok], n, K)
+
+    def _block(self, kmax: int) -> tuple[list[int], np.ndarray | None]:
+        """The block to verify (pre-drafted tokens at the front of the chain, or drafted now)
+        and the distributions its tokens were sampled from."""
+        k = self._target_k(kmax)
+        if self.timed and not self._fresh:
+            # the verifier is ready: take what is drafted (at least one token)
+            k = min(k, max(1, len(self._chain)))
+        K = self._block_len(0, k)
+        while K is None:
+            self._draft_step()
             K = self._block_len(0, k)
-            while K is None:
-                self._draft_step()
-                K = self._block_len(0, k)
-            block = self._chain[:K]
-            q = None if self.params.greedy or not K else np.stack(self._chain_q[:K])
-            # 2. submit the verifier pass. Its whole cost counts as the verifier's (the pass's
-            # time starts before the graph is built); with MLX on the CPU, `async_eval` itself
-            # runs most of the pass before returning (measured: ~60 of ~75 ms), so counting
-            # submit as host work too charged the pass twice.
-            pending = self.in_flight = submitter.submit([seq[-1], *block])
-            # 3. while it runs, draft the guess of the bonus token and the next block
-            k_next = self._next_target_k(max(0, kmax - K - 1))
-            limit_chain = min(room, self.draft.context_length - 1 - len(seq))
-            steps = 0
-            while self._prefetch(K, k_next) and not pending.done():
-                if len(self._chain) >= limit_chain:
-                    break
-                if len(self._chain) > K and self._block_len(K + 1, k_next) is not None:
-                    break  # the next block is complete
-                self._draft_step(ahead=True)
-                steps += 1
-            logits = pending.result()
-            self._since[steps > 0] = 0
-            self._since[steps == 0] += 1
-            self.cost.observe_contention(
-                pending.length, pending.t_done - pending.t_submit, busy=steps > 0
-            )
-            self.in_flight = None
-            self._verify_busy.append((pending.t_submit, pending.t_done))
-            self.time_verify += pending.t_done - pending.t_submit
-            self.cost.observe_verify(pending.length, pending.t_done - pending.t_submit)
-            self.calls["verify"].append((pending.length, pending.t_done - pending.t_submit))
-            # 4. decide, exactly as the sequential decoder does
-            t_host = time.perf_counter()
-            n, tok = self.chooser.decide(block, q, logits, len(seq), seq)
-            self.verifier.trim(K - n)
-            hit = n == K and len(self._chain) > K and self._chain[K] == tok
-            if hit:
-                self.prefetch_hits += 1
-                del self._chain[: K + 1], self._chain_q[: K + 1], self._chain_conf[: K + 1]
-            else:
-                self.wasted_drafts += max(0, len(self._chain) - K)
-                self._chain, self._chain_q, self._chain_conf = [], [], []
-                keep = len(seq) + n  # the draft's cache stays valid up to the accepted drafts
-                self.draft.trim(max(0, self.draft.length - keep))
-            fresh = not hit
-            self.stats.rounds += 1
-            self.stats.drafted += K
-            self.stats.accepted += n
-            self.k.update(K, n)
-            self.cost.observe_block(K, n)
-            self._k_used.append(K)
-            out = [*block[:n], tok]
-            flags = [True] * n + [False]
-            finish = None
-            for i, x in enumerate(out):
-                if x in self.eos:
-                    out, flags, finish = out[:i], flags[:i], "stop"
-                    break
-            if finish is None and len(out) >= room:
-                out, flags = out[:room], flags[:room]
-                finish = "length"
-            seq.extend(out)
-            produced += len(out)
-            host = time.perf_counter() - t_host
-            self.cost.observe_host(host)
-            self.calls["host"].append(host)
-            self._t_end = time.perf_counter()
-            yield Round(out, flags, K, n, finish, self.chooser.logprobs(logits, out))
-            if finish:
-                return
+        q = None if self.params.greedy or not K else np.stack(self._chain_q[:K])
+        return self._chain[:K], q
+
+    def _verify(self, seq: list[int], block: list[int], kmax: int, room: int) -> np.ndarray:
+        """The verifier's logits for seq[-1] + block; while its pass runs, draft the guess of
+        the bonus token and the next block."""
+        K = len(block)
+        # The pass's whole cost counts as the verifier's (its time starts before the graph is
+        # built); with MLX on the CPU, `async_eval` itself runs most of the pass before
+        # returning (measured: ~60 of ~75 ms), so counting submit as host work too charged the
+        # pass twice.
+        pending = self.in_flight = self._submitter.submit([seq[-1], *block])
+        k_next = self._next_target_k(max(0, kmax - K - 1))
+        limit_chain = min(room, self.draft.context_length - 1 - len(seq))
+        steps = 0
+        while self._prefetch(K, k_next) and not pending.done():
+            if len(self._chain) >= limit_chain:
+                break
+            if len(self._chain) > K and self._block_len(K + 1, k_next) is not None:
+                break  # the next block is complete
+            self._draft_step(ahead=True)
+            steps += 1
+        logits = pending.result()
+        self._since[steps > 0] = 0
+        self._since[steps == 0] += 1
+        seconds = pending.t_done - pending.t_submit
+        self.cost.observe_contention(pending.length, seconds, busy=steps > 0)
+        self.in_flight = None
+        self._verify_busy.append((pending.t_submit, pending.t_done))
+        self.time_verify += seconds
+        self.cost.observe_verify(pending.length, seconds)
+        self.calls["verify"].append((pending.length, seconds))
+        return logits
 
     # -- stats ----------------------------------------------------------------------------------
 
     def draft_prefix_length(self) -> int:
         """How many leading entries of the draft's cache hold the sequence committed so far
         (at a round's end its cache holds that sequence, then perhaps pre-drafted tokens)."""
-        return min(self.draft.length, len(getattr(self, "_seq", ())))
+        return min(self.draft.length, len(self._seq))
 
     def extra_stats(self) -> dict:
         """overlap: fraction of the decoding wall time with both engines busy; *_idle_s: wall

@@ -19,39 +19,36 @@ produces exactly its tokens for the same seed.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ondevice.errors import ContextLengthError
 from ondevice.speculative import accept
+from ondevice.speculative.decoding import DecoderBase, DecodeStats, Round, Step
 from ondevice.speculative.engine import Engine, prefill
-from ondevice.speculative.noise import RULES, PositionNoise
+from ondevice.speculative.noise import PositionNoise
 from ondevice.speculative.sampling import (
     SamplingParams,
     TokenLogprob,
     Transform,
+    align,
     chain_paths,
     probabilities,
     token_logprobs,
 )
 
-# A custom acceptance rule: rule(drafts, q, p, rng) -> (accepted, token), where rng is a
-# generator keyed by (seed, position of the first draft) (e.g. `accept.speculative`).
-CustomRule = Callable[[Sequence[int], np.ndarray, np.ndarray, np.random.Generator], tuple[int, int]]
+__all__ = [
+    "CustomRule",
+    "DecodeStats",
+    "DraftLength",
+    "Round",
+    "SpeculativeDecoder",
+    "TokenChooser",
+]
 
-
-@dataclass
-class Round:
-    """What one verifier pass produced (already cut at EOS and max_tokens)."""
-
-    tokens: list[int]
-    from_draft: list[bool]
-    drafted: int
-    accepted: int
-    finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens or context)
-    logprobs: list[TokenLogprob] | None = None  # per token, when the params ask for them
+# A chain acceptance rule: rule(drafts, q, p, at) -> (accepted, token), where at(i) is the random
+# source of the i-th position of the block (as `accept.speculative`, the default).
+CustomRule = Callable[[Sequence[int], "np.ndarray | None", np.ndarray, accept.At], tuple[int, int]]
 
 
 class DraftLength:
@@ -132,33 +129,23 @@ class TokenChooser:
         self.noise = PositionNoise(seed)
         rule = rule or "leviathan"
         if isinstance(rule, str):
-            if rule not in RULES:
+            if rule not in accept.RULES:
                 raise ValueError(
-                    f"unknown sampling rule {rule!r}; choose one of {', '.join(RULES)}"
+                    f"unknown sampling rule {rule!r}; choose one of {', '.join(accept.RULES)}"
                 )
-            self.rule_name, self._keyed, self._custom = rule, RULES[rule], None
+            self.rule_name, self.rule = rule, accept.RULES[rule]
         else:  # a custom rule (tests show a wrong one is caught)
-            self.rule_name, self._keyed, self._custom = "custom", None, rule
+            self.rule_name, self.rule = "custom", rule
 
     def start(self, prompt: Sequence[int]) -> None:
         """A new generation (penalties and grammars read the tokens after the prompt)."""
         self.transform.start(prompt)
 
-    def _align(self, logits: np.ndarray) -> np.ndarray:
-        V = self.vocab
-        if logits.shape[-1] != V:  # draft vocabulary truncated (FR-Spec) or padded
-            if logits.shape[-1] > V:
-                logits = logits[..., :V]
-            else:
-                pad = np.full((*logits.shape[:-1], V - logits.shape[-1]), -np.inf, logits.dtype)
-                logits = np.concatenate([logits, pad], -1)
-        return logits
-
     def probs(
         self, logits: np.ndarray, seq: Sequence[int] = (), paths: Sequence[Sequence[int]] = ((),)
     ) -> np.ndarray:
         """Transformed distribution(s) at the position(s) after seq + paths[i]."""
-        logits = self._align(logits)
+        logits = align(logits, self.vocab)
         if not self.transform.active:
             return probabilities(logits, self.params)
         return self.transform.probs(logits, seq, paths)
@@ -170,7 +157,7 @@ class TokenChooser:
         from (sampling)."""
         if self.params.greedy:
             if self.transform.active:
-                return int(self.transform.argmax(self._align(logits), seq, [path])), None
+                return int(self.transform.argmax(align(logits, self.vocab), seq, [path])), None
             return int(np.argmax(logits[: self.vocab])), None
         q = self.probs(logits, seq, [path])
         return self.noise.race_sample(q, pos), q
@@ -186,7 +173,7 @@ class TokenChooser:
         if q is not None:
             return float(q.max())
         if self.transform.active:
-            z = self.transform.logits(self._align(logits), seq, [path])
+            z = self.transform.logits(align(logits, self.vocab), seq, [path])
         else:
             z = np.asarray(logits[: self.vocab], np.float32)
         return float(1.0 / np.exp(z - z.max()).sum())
@@ -205,11 +192,7 @@ class TokenChooser:
         if self.params.greedy:
             return accept.greedy(drafts, self.transform.argmax(logits, seq, paths))
         p = self.probs(logits, seq, paths)
-        if self._custom is not None:
-            if not drafts:
-                return 0, self.noise.race_sample(p[0], start)
-            return self._custom(drafts, q, p, self.noise.rng(start))
-        return self._keyed(drafts, q, p, self.noise, start)
+        return self.rule(drafts, q, p, self.noise.offsets(start))
 
     def logprobs(self, logits: np.ndarray, tokens: Sequence[int]) -> list[TokenLogprob] | None:
         """Log-probabilities of the emitted tokens (row i scores tokens[i]), when asked for."""
@@ -218,20 +201,13 @@ class TokenChooser:
         return token_logprobs(logits, tokens, self.params.logprobs)
 
 
-@dataclass
-class DecodeStats:
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    extra: dict = field(default_factory=dict)
-
-
-class SpeculativeDecoder:
-    """Drives a verifier engine and an optional draft engine over one prompt.
+class ChainDecoder(DecoderBase):
+    """What the chain decoders (this one and `runtime/pipeline.py`'s) share: a draft engine, the
+    `TokenChooser` and the `DraftLength` schedule.
 
     rule: "leviathan" (default: Leviathan/Chen speculative sampling with position-keyed noise),
     "coupled" (Gumbel coupling: the same tokens as plain sampling with the same seed), or a
-    custom callable `rule(drafts, q, p, rng)`.
+    custom callable `rule(drafts, q, p, at)` (see `CustomRule`).
     """
 
     def __init__(
@@ -244,44 +220,38 @@ class SpeculativeDecoder:
         seed: int | None = None,
         num_draft_tokens: int | None = None,
         rule: str | CustomRule | None = None,
+        k_max: int = 12,
     ) -> None:
         if num_draft_tokens is not None and num_draft_tokens < 0:
             raise ValueError("num_draft_tokens must be >= 0")
-        self.verifier = verifier
+        super().__init__(verifier, eos_token_ids)
         self.draft = draft
         self.params = params
-        self.eos = frozenset(eos_token_ids)
         self.chooser = TokenChooser(params, verifier.vocab_size, seed, rule)
-        self.k = DraftLength(num_draft_tokens)
-        self.stats = DecodeStats()
-        self.time_draft = 0.0
-        self.time_verify = 0.0
-        self.time_prefill = 0.0
-        self._draft_valid = 0
+        self.k = DraftLength(num_draft_tokens, high=k_max)
         self._logits: np.ndarray | None = None  # the last verifier pass (for logprobs)
         self._t_start = self._t_end = 0.0
+
+    def round_logprobs(self, tokens: list[int]) -> list[TokenLogprob] | None:
+        return self.chooser.logprobs(self._logits, tokens)
+
+
+class SpeculativeDecoder(ChainDecoder):
+    """Drives a verifier engine and an optional draft engine over one prompt, one block after
+    another (see the module docstring and `ChainDecoder` for the options)."""
+
+    _draft_valid = 0  # leading draft cache entries that hold the committed sequence
 
     @property
     def vocab(self) -> int:
         return self.verifier.vocab_size
 
-    def prefill(self, prompt: Sequence[int], resume: bool = False) -> None:
-        """Fill the caches with prompt[:-1]; `resume`: they already hold a prefix of it."""
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        limit = self.verifier.context_length
-        if len(prompt) >= limit:
-            raise ContextLengthError(
-                f"the prompt has {len(prompt)} tokens but the model's context is {limit} tokens; "
-                "shorten the prompt."
-            )
-        t = time.perf_counter()
-        prefill(self.verifier, prompt[:-1], resume)
+    def prefill_rest(self, prompt: Sequence[int], resume: bool) -> None:
         if self.draft is not None:
             prefill(self.draft, prompt[:-1], resume)
         self.chooser.start(prompt)
-        self.time_prefill += time.perf_counter() - t
         self._draft_valid = len(prompt) - 1  # draft cache entries that match the sequence
+        self._t_start = time.perf_counter()
 
     def propose(self, seq: list[int], k: int) -> tuple[list[int], np.ndarray | None]:
         """Up to k draft tokens after `seq` and the distributions they were drawn from."""
@@ -318,50 +288,18 @@ class SpeculativeDecoder:
         self.time_verify += time.perf_counter() - t
         return n, tok
 
-    def run(
-        self, prompt: Sequence[int], max_tokens: int, resume: bool = False
-    ) -> Iterator[Round]:
-        """Rounds of tokens after `prompt`. resume: the engines' caches already hold a prefix
-        of the prompt (see `prefill`)."""
-        seq = list(prompt)
-        self.prefill(seq, resume)
-        self._t_start = time.perf_counter()
-        produced = 0
-        limit = self.verifier.context_length
-        while produced < max_tokens:
-            room = min(max_tokens - produced, limit - len(seq))
-            if room <= 0:
-                yield Round([], [], 0, 0, "length")
-                return
-            k = 0
-            if self.draft is not None:
-                draft_room = self.draft.context_length - len(seq) - 1
-                k = max(0, min(self.k.k, room - 1, draft_room))
-            drafts, q = self.propose(seq, k) if k else ([], None)
-            n, tok = self.verify(seq, drafts, q)
-            if drafts:  # the draft saw seq and drafts[:-1]; the accepted part stays valid
-                self._draft_valid = len(seq) + min(n, len(drafts) - 1)
-            self.stats.rounds += 1
-            self.stats.drafted += len(drafts)
-            self.stats.accepted += n
-            self.k.update(len(drafts), n)
-            out = [*drafts[:n], tok]
-            flags = [True] * n + [False]
-            finish = None
-            for i, x in enumerate(out):
-                if x in self.eos:
-                    out, flags, finish = out[:i], flags[:i], "stop"
-                    break
-            if finish is None and len(out) >= room:
-                out, flags = out[:room], flags[:room]
-                finish = "length"
-            seq.extend(out)
-            produced += len(out)
-            self._t_end = time.perf_counter()
-            lp = self.chooser.logprobs(self._logits, out)
-            yield Round(out, flags, len(drafts), n, finish, lp)
-            if finish:
-                return
+    def step(self, seq: list[int], room: int) -> Step:
+        k = 0
+        if self.draft is not None:
+            draft_room = self.draft.context_length - len(seq) - 1
+            k = max(0, min(self.k.k, room - 1, draft_room))
+        drafts, q = self.propose(seq, k) if k else ([], None)
+        n, tok = self.verify(seq, drafts, q)
+        if drafts:  # the draft saw seq and drafts[:-1]; the accepted part stays valid
+            self._draft_valid = len(seq) + min(n, len(drafts) - 1)
+        self.k.update(len(drafts), n)
+        self._t_end = time.perf_counter()
+        return Step([*drafts[:n], tok], n, len(drafts))
 
     def draft_prefix_length(self) -> int:
         """How many leading entries of the draft's cache hold the sequence committed so far."""

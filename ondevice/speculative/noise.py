@@ -1,38 +1,35 @@
-"""Randomness keyed by (seed, position): sampling that does not depend on the schedule.
+"""The position-keyed random source: sampling that does not depend on the schedule.
 
 A decoder that draws from one sequential random stream gives different tokens when it drafts a
 different number of tokens, or when a pipelined drafter throws away a block it guessed ahead.
 Here every random number belongs to a position in the sequence and a purpose, and is derived from
 (seed, position, purpose) alone. Whoever asks for it, in whatever round or order, gets the same
-number; so the tokens depend only on the prompt, the seed and the models' distributions.
+number; so the tokens depend only on the prompt, the seed, the models' distributions and what
+was drafted (which itself depends only on tokens and on these numbers).
 
-Two sampling rules are built on it:
+Purposes at position m: the race (n standard exponentials E(m): the chain's draft token is the
+exponential-race, Gumbel-max, sample argmax q / E(m), and the verifier's own token where nothing
+was drafted is argmax p / E(m), so a drafter's guess of that bonus matches it as often as
+possible); the acceptance uniforms; the residual's own exponentials after a rejection; and the
+draws of sampled proposals (tree children, the cascade's draft chain) at m. The acceptance rule
+(`accept.py`) takes `at(pos)`, the `Randomness` of one position.
 
-- `leviathan`: the Leviathan/Chen rule with keyed noise. The draft token at position m is the
-  exponential-race (Gumbel-max) sample of q with noise E(m); it is accepted when
-  u(m) * q(x) < p(x); a rejected position draws from norm(max(0, p - q)) with its own noise; a
-  bonus token at m (no draft there) is the race sample of p with the same E(m), so a drafter's
-  guess of the bonus (its own draft at m) matches it as often as possible.
-- `coupled`: the token at m is always the race sample of p with E(m); a draft is accepted when
-  its own race sample (of q, same noise) equals it. The output is then exactly what plain
-  sampling with the same seed gives, whatever was drafted, at some cost in acceptance.
-
-Both are exact. The noise used to decide position m is never used to decide an earlier
-position, and the decision whether m holds a draft or the bonus depends only on earlier
-positions, so given the committed prefix the token at m is distributed as p(. | prefix).
+Exactness: the numbers that decide position m are never used to decide an earlier position, and
+whether m is decided against a draft or not depends only on earlier positions, so given the
+committed prefix the token at m is distributed as p(. | prefix).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import numpy as np
 
-from ondevice.speculative.accept import residual
+from ondevice.speculative.accept import Randomness
 
 # purposes: each gets independent noise at every position
-_RACE, _ACCEPT, _RESIDUAL, _RULE = 0, 1, 2, 3
+_RACE, _ACCEPT, _RESIDUAL, _RULE, _DRAWS = 0, 1, 2, 3, 4
 _MASK = (1 << 128) - 1
 
 
@@ -46,9 +43,6 @@ class PositionNoise:
 
     def rng(self, pos: int, purpose: int = _RULE) -> np.random.Generator:
         return np.random.default_rng([self.seed, pos, purpose])
-
-    def uniform(self, pos: int) -> float:
-        return float(self.rng(pos, _ACCEPT).random())
 
     def race(self, pos: int, n: int) -> np.ndarray:
         """n standard exponentials for position `pos` (cached: drafter and verifier share them)."""
@@ -69,32 +63,33 @@ class PositionNoise:
         e = self.rng(pos, _RESIDUAL).standard_exponential(r.shape[-1])
         return int(np.argmax(r / e))
 
+    def at(self, pos: int) -> Randomness:
+        """The source that decides position `pos`."""
+        return _Position(self, pos)
 
-def leviathan(
-    drafts: Sequence[int], q: np.ndarray, p: np.ndarray, noise: PositionNoise, start: int
-) -> tuple[int, int]:
-    """Speculative sampling over a chain whose first draft sits at position `start`.
+    def offsets(self, start: int) -> Callable[[int], Randomness]:
+        """`at` for a block whose first decided position is `start`."""
+        return lambda i: _Position(self, start + i)
 
-    q: (K, V) draft distributions, p: (K+1, V) verifier distributions. Returns (accepted, token).
-    """
-    for i, x in enumerate(drafts):
-        px, qx = p[i, x], q[i, x]
-        if qx > 0 and noise.uniform(start + i) * qx < px:  # u < p/q without dividing
-            continue
-        return i, noise.residual_sample(residual(p[i], q[i]), start + i)
-    k = len(drafts)
-    return k, noise.race_sample(p[k], start + k)
+    def draws(self, pos: int) -> np.random.Generator:
+        """The generator of sampled proposals for position `pos` (i.i.d. draws in turn)."""
+        return self.rng(pos, _DRAWS)
 
 
-def coupled(
-    drafts: Sequence[int], q: np.ndarray | None, p: np.ndarray, noise: PositionNoise, start: int
-) -> tuple[int, int]:
-    """Gumbel-coupled verification: the verifier's own keyed sample decides every position."""
-    for i in range(len(p)):
-        y = noise.race_sample(p[i], start + i)
-        if i == len(drafts) or drafts[i] != y:
-            return i, y
-    raise AssertionError("unreachable: p has len(drafts) + 1 rows")
+class _Position:
+    """`Randomness` of one position: keyed uniforms, the race sample, the residual's noise."""
 
+    def __init__(self, noise: PositionNoise, pos: int):
+        self.noise, self.pos = noise, pos
+        self._uniforms: np.random.Generator | None = None
 
-RULES = {"leviathan": leviathan, "coupled": coupled}
+    def uniform(self) -> float:
+        if self._uniforms is None:
+            self._uniforms = self.noise.rng(self.pos, _ACCEPT)
+        return float(self._uniforms.random())
+
+    def sample(self, p: np.ndarray) -> int:
+        return self.noise.race_sample(p, self.pos)
+
+    def resample(self, r: np.ndarray) -> int:
+        return self.noise.residual_sample(r, self.pos)

@@ -106,6 +106,18 @@ class SamplingParams:
         return not self.contextual and not self.logit_bias
 
 
+def align(logits: np.ndarray, vocab: int) -> np.ndarray:
+    """Logits over a vocabulary of `vocab` ids: a draft's truncated (FR-Spec) vocabulary padded
+    with -inf, a padded one cut."""
+    v = logits.shape[-1]
+    if v == vocab:
+        return logits
+    if v > vocab:
+        return logits[..., :vocab]
+    pad = np.full((*logits.shape[:-1], vocab - v), -np.inf, logits.dtype)
+    return np.concatenate([logits, pad], -1)
+
+
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Map (already processed) logits (..., V) to float64 probabilities (..., V): temperature,
     top-k, top-p, min-p. The context-free part of the transform."""

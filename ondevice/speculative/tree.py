@@ -1,4 +1,4 @@
-"""Token trees: structure, attention mask and positions, and the lossless acceptance rules.
+"""Token trees: structure, attention mask and positions (the acceptance rule is `accept.py`).
 
 A tree is rooted at the last committed token (node 0, which the verifier has not seen yet: it is
 fed together with the proposals, as in the chain decoder). Every other node is a proposed token
@@ -16,14 +16,12 @@ draw, which is what keeps multi-draft rejection sampling exact.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ondevice.speculative.sampling import sample
-
-Draw = tuple[int, "np.ndarray | None"]
+from ondevice.speculative.accept import Draw
 
 
 @dataclass
@@ -126,84 +124,6 @@ class TokenTree:
             node = new_index[old]
             out.draws[node] = [(t, q) for t, q in self.draws[old] if t in out.children[node]]
         return out, kept
-
-
-# -- acceptance ---------------------------------------------------------------------------------
-
-
-def accept_greedy(tree: TokenTree, target: Sequence[int]) -> tuple[list[int], int]:
-    """Longest path whose every token is the verifier's argmax after its parent.
-
-    `target[i]` is the verifier's argmax after node i. Returns the accepted nodes (root's child
-    first) and the verifier's token after the last of them.
-    """
-    node, path = 0, []
-    while True:
-        tok = int(target[node])
-        child = tree.children[node].get(tok)
-        if child is None:
-            return path, tok
-        path.append(child)
-        node = child
-
-
-def acceptance_probability(r: np.ndarray, token: int, q: np.ndarray | None) -> float:
-    """Probability of accepting the draw `token` against the residual target `r`.
-
-    Sampled from q: min(1, r(x)/q(x)). Deterministic (q is a point mass on x): r(x).
-    """
-    if q is None:
-        return float(min(1.0, r[token]))
-    qx = q[token]
-    return float(min(1.0, r[token] / qx)) if qx > 0 else 0.0
-
-
-def after_rejection(r: np.ndarray, token: int, q: np.ndarray | None) -> np.ndarray:
-    """The residual target after a draw was rejected: norm(max(0, r - q)), with q a point mass
-    on `token` for deterministic draws (so: r without `token`, renormalised)."""
-    if q is None:
-        out = r.copy()
-        out[token] = 0.0
-    else:
-        out = np.maximum(r - q, 0.0)
-    s = out.sum()
-    # s == 0 only when rejection had probability 0 (r == q up to rounding); keep r then.
-    return out / s if s > 0 else r
-
-
-ProbRows = Callable[[int], np.ndarray]
-
-
-def accept_sampled(
-    tree: TokenTree, p: ProbRows | np.ndarray, rng: np.random.Generator
-) -> tuple[list[int], int]:
-    """Recursive rejection sampling down the tree (SpecInfer / SpecTr multi-draft rule, and
-    EAGLE's rule for deterministic children, which is the same rule with point-mass proposals).
-
-    At each node start from the verifier's distribution r = p(node) and try the node's draws in
-    order: accept draw x with `acceptance_probability(r, x, q)`; on acceptance move to x's node,
-    on rejection replace r by `after_rejection(r, x, q)`. When every draw is rejected (or there
-    are none) sample the emitted token from r. Every emitted token is distributed exactly as the
-    verifier's p, whatever the draws were, provided each draw was made before this call and
-    sampled draws are independent samples from their q.
-
-    `p` is a (N, V) array or a function node -> (V,) distribution (so only visited rows are
-    computed).
-    """
-    row = p if callable(p) else p.__getitem__
-    node, path = 0, []
-    while True:
-        r = row(node)
-        nxt = None
-        for tok, q in tree.draws[node]:
-            if rng.random() < acceptance_probability(r, tok, q):
-                nxt = tree.children[node][tok]
-                break
-            r = after_rejection(r, tok, q)
-        if nxt is None:
-            return path, sample(r, rng)
-        path.append(nxt)
-        node = nxt
 
 
 # -- static tree shapes ----------------------------------------------------------------------

@@ -1,0 +1,93 @@
+"""`auto`: the proposer that picks, each round, among other proposers by measured acceptance and
+the estimated cost of their rounds (cost profiles, `treecost`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ondevice.runtime.treecost import CostProfile
+from ondevice.speculative.draft_tree import DraftState
+from ondevice.speculative.noise import PositionNoise
+from ondevice.speculative.proposers import Proposer
+from ondevice.speculative.tree import TokenTree
+
+
+class AutoProposer:
+    """Picks a proposer per round by measured acceptance and estimated cost.
+
+    Each candidate is tried `explore` rounds; afterwards the one with the best tokens per second
+    (an exponential average of tokens per round over seconds per round) proposes, and every
+    `period` rounds the least recently tried other candidate gets one round, so a change in the
+    text (a passage to copy, say) is noticed. Seconds are estimated from the cost profiles (the
+    verifier's pass over the tree's size plus the draft work the proposer reports), not from the
+    clock, so the choice depends only on accepted counts and a seed gives the same tokens.
+    """
+
+    name = "auto"
+
+    def __init__(
+        self,
+        proposers: Sequence[Proposer],
+        verify_cost: CostProfile,
+        drafts: Sequence[DraftState] = (),
+        *,
+        explore: int = 2,
+        period: int = 16,
+        decay: float = 0.8,
+    ):
+        if not proposers:
+            raise ValueError("auto needs at least one proposer")
+        self.proposers = list(proposers)
+        self.verify_cost = verify_cost
+        self.drafts = list(drafts)
+        self.explore, self.period, self.decay = explore, period, decay
+        self._reset_scores()
+
+    def _reset_scores(self) -> None:
+        n = len(self.proposers)
+        self.tried = [0] * n
+        self.last_tried = [-1] * n
+        self.tokens = [0.0] * n
+        self.seconds = [0.0] * n
+        self.round = 0
+        self._current = 0
+        self._work = 0.0
+        self.last_name = self.proposers[0].name
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self._reset_scores()
+        for p in self.proposers:
+            p.reset(prompt)
+
+    def score(self, i: int) -> float:
+        return self.tokens[i] / self.seconds[i] if self.seconds[i] > 0 else float("inf")
+
+    def _choose(self) -> int:
+        n = len(self.proposers)
+        for i in range(n):
+            if self.tried[i] < self.explore:
+                return i
+        best = max(range(n), key=self.score)
+        if n > 1 and self.round % self.period == 0:
+            return min((i for i in range(n) if i != best), key=lambda i: self.last_tried[i])
+        return best
+
+    def _draft_work(self) -> float:
+        return sum(d.work for d in self.drafts)
+
+    def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
+        self._current = i = self._choose()
+        self.last_name = self.proposers[i].name
+        self._work = self._draft_work()
+        return self.proposers[i].propose(seq, max_depth, noise)
+
+    def observe(self, seq, tree, path, token, target) -> None:
+        i = self._current
+        self.proposers[i].observe(seq, tree, path, token, target)
+        secs = float(self.verify_cost(len(tree))) + self._draft_work() - self._work
+        a = self.decay if self.tried[i] else 0.0
+        self.tokens[i] = a * self.tokens[i] + (1 - a) * (len(path) + 1)
+        self.seconds[i] = a * self.seconds[i] + (1 - a) * secs
+        self.tried[i] += 1
+        self.round += 1
+        self.last_tried[i] = self.round

@@ -1,0 +1,354 @@
+"""Draft-model trees: the draft's cache kept in step with the committed sequence (`DraftState`)
+and the trees it grows (`DraftTreeProposer`: a chain, a static tree, or a dynamic EAGLE-2 tree;
+children are the draft's top-k, or i.i.d. samples for sampled static trees, SpecInfer)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ondevice.speculative.engine import Engine
+from ondevice.speculative.noise import PositionNoise
+from ondevice.speculative.proposers import BudgetFn, RateFn, fixed_budget
+from ondevice.speculative.sampling import SamplingParams, Transform, align, probabilities, sample
+from ondevice.speculative.tree import CHAIN_4, TokenTree, check_shape
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.asarray(logits, np.float64)
+    z = np.exp(z - z.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+
+
+# -- the draft model's cache ----------------------------------------------------------------------
+
+
+class DraftState:
+    """A draft engine whose cache is kept in step with the committed sequence.
+
+    `tokens` is what the cache holds as a plain sequence; tree nodes fed for one round sit after
+    it (`slots`, node ids of the current tree in cache order) until `commit` keeps the accepted
+    ones. The cache never has to be rebuilt: `sync` trims to the longest common prefix with the
+    committed sequence and feeds the rest.
+    """
+
+    def __init__(self, engine: Engine, vocab: int, pass_cost: Callable[[int], float] | None = None):
+        self.engine = engine
+        self.vocab = vocab
+        self.tokens: list[int] | None = None  # None: the cache's content is unknown
+        self.last: np.ndarray | None = None  # logits after tokens[-1]
+        self.slots: list[int] = []
+        self.tree_pass = hasattr(engine, "feed_masked") and hasattr(engine, "keep")
+        # estimated seconds of draft work (from a cost profile, so it is reproducible)
+        self.pass_cost = pass_cost
+        self.work = 0.0
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        """Start a generation: the cache catches up on prompt[:-1] (several proposers may share
+        this state; only the first reset does any work)."""
+        if self.tokens is None:
+            self.engine.reset()
+            self.tokens, self.slots, self.last = [], [], None
+        if len(prompt) > 1:
+            self.sync(prompt[:-1])
+
+    def resume(self, prefix: Sequence[int]) -> None:
+        """The engine's cache already holds `prefix` (restored by the prompt cache)."""
+        self.tokens, self.slots, self.last = [int(t) for t in prefix], [], None
+
+    def _count(self, n: int) -> None:
+        if self.pass_cost is not None:
+            self.work += self.pass_cost(n)
+
+    def feed(self, tokens: Sequence[int]) -> np.ndarray:
+        """Append `tokens`; logits (len, V) after each."""
+        assert self.tokens is not None, "reset() first"
+        rows = align(np.atleast_2d(self.engine.feed(list(tokens))), self.vocab)
+        self._count(len(tokens))
+        self.tokens.extend(int(t) for t in tokens)
+        self.last = rows[-1]
+        return rows
+
+    def truncate(self, n: int) -> None:
+        self._drop_slots()
+        if n < len(self.tokens):
+            self.engine.trim(len(self.tokens) - n)
+            self.tokens = self.tokens[:n]
+            self.last = None
+
+    def sync(self, seq: Sequence[int]) -> np.ndarray:
+        """Make the cache hold exactly `seq`; return the logits after seq[-1]."""
+        assert self.tokens is not None, "reset() first"
+        self._drop_slots()
+        n = 0
+        m = min(len(self.tokens), len(seq))
+        while n < m and self.tokens[n] == seq[n]:
+            n += 1
+        if n == len(seq) == len(self.tokens) and self.last is not None:
+            return self.last
+        self.truncate(min(n, len(seq) - 1))
+        return self.feed(seq[len(self.tokens) :])[-1]
+
+    def _drop_slots(self) -> None:
+        if self.slots:
+            self.engine.trim(len(self.slots))
+            self.slots = []
+
+    def expand(self, tree: TokenTree, nodes: Sequence[int]) -> np.ndarray:
+        """Logits (len(nodes), V) after each node's path. The cache must hold the tree's prefix
+        (after `sync`) and every proper ancestor of `nodes` already expanded; `nodes` are fed as
+        new slots (with a tree pass when the engine has one)."""
+        nodes = list(nodes)
+        if not self.tree_pass:
+            return self._expand_by_paths(tree, nodes)
+        base = len(self.tokens)  # the root, seq[-1], is the last of these
+        slot_of = {node: base + i for i, node in enumerate(self.slots)}
+        for i, node in enumerate(nodes):
+            slot_of[node] = base + len(self.slots) + i
+        total = base + len(self.slots) + len(nodes)
+        visible = np.zeros((len(nodes), total), dtype=bool)
+        visible[:, :base] = True
+        for i, node in enumerate(nodes):
+            for a in tree.path(node):
+                visible[i, slot_of[a]] = True  # KeyError: an ancestor was never expanded
+        positions = np.array([base - 1 + tree.depths[n] for n in nodes], dtype=np.int32)
+        logits = self.engine.feed_masked([tree.tokens[n] for n in nodes], positions, visible)
+        self._count(len(nodes))
+        self.slots.extend(nodes)
+        return align(np.atleast_2d(logits), self.vocab)
+
+    def _expand_by_paths(self, tree: TokenTree, nodes: list[int]) -> np.ndarray:
+        # An engine without tree passes (e.g. Core ML): feed each node's path, read the last
+        # row, roll back. Costs depth passes per node, but any engine can grow a tree this way.
+        base = len(self.tokens)
+        rows = []
+        for node in nodes:
+            toks = tree.path_tokens(node)
+            rows.append(align(self.engine.feed(toks, last_only=True), self.vocab))
+            self._count(len(toks))
+            self.engine.trim(self.engine.length - base)
+        return np.stack(rows)
+
+    def commit(self, tree: TokenTree, path: Sequence[int]) -> None:
+        """Keep, of this round's fed slots, the ones on the accepted `path` (a prefix of it)."""
+        if not self.slots:
+            return
+        where = {node: i for i, node in enumerate(self.slots)}
+        keep = []
+        for node in path:
+            if node not in where:
+                break
+            keep.append(where[node])
+        self.engine.keep(len(self.slots), keep)
+        self.tokens.extend(tree.tokens[self.slots[i]] for i in keep)
+        self.slots = []
+        self.last = None
+
+
+# -- draft-model trees -----------------------------------------------------------------------------
+
+
+def top_tokens(d: np.ndarray, k: int) -> np.ndarray:
+    """The k most probable tokens, best first (ties: lower id first), without sorting all."""
+    if k >= len(d):
+        return np.argsort(-d, kind="stable")
+    part = np.argpartition(-d, k - 1)[:k]
+    return part[np.lexsort((part, -d[part]))]
+
+
+class DraftTreeProposer:
+    """A draft model proposes a chain, a static tree, or a dynamic (EAGLE-2) tree.
+
+    mode "dynamic": up to `depth` levels; at each level the `topk` most valuable frontier nodes
+        are fed to the draft in one pass and each gets its `topk` best children. A node's value
+        estimates the probability that the verifier accepts it: the product of draft
+        probabilities along its path, calibrated per depth by the acceptance actually observed
+        (a weak draft is overconfident). The verifier then sees the best `budget(values)` nodes
+        (a node never scores above its parent, so the best N form a tree). Growth stops early
+        when even an optimistic next level (each frontier node's best child as likely to be
+        accepted as the node itself) would not raise the round's tokens per second, `rate`
+        (values, seconds of drafting so far) -> best tokens per second over the values, after
+        a draft pass of `expand_cost` seconds. Without `rate` every level is grown.
+    mode "static": the tree `shape` (rank paths, see tree.py) filled with the draft's ranked
+        children, or with i.i.d. draft samples when `sampled` (SpecInfer).
+    mode "chain": a static shape of one path of length `budget`.
+
+    Values (and top-k ranks) use the draft's distribution after the sampling transform, or its
+    temperature-1 softmax under greedy decoding (a point mass says nothing about confidence).
+    """
+
+    def __init__(
+        self,
+        draft: Engine | DraftState,
+        vocab: int,
+        params: SamplingParams,
+        *,
+        mode: str = "dynamic",
+        depth: int = 5,
+        topk: int = 4,
+        budget: BudgetFn | int = 16,
+        shape: Sequence[Sequence[int]] = CHAIN_4,
+        sampled: bool = False,
+        expand_cost: float = 0.0,
+        rate: RateFn | None = None,
+        name: str = "tree",
+    ):
+        if mode not in ("dynamic", "static", "chain"):
+            raise ValueError(f"unknown tree mode {mode!r}")
+        self.name = name
+        self.state = draft if isinstance(draft, DraftState) else DraftState(draft, vocab)
+        self.vocab = vocab
+        self.params = params
+        self.transform = Transform(params, vocab)
+        self._seq: list[int] = []
+        self.mode = mode
+        self.depth = depth
+        self.topk = topk
+        self.budget = fixed_budget(budget) if isinstance(budget, int) else budget
+        self.shape = check_shape(shape)
+        self.sampled = sampled and not params.greedy
+        self.expand_cost, self.rate = expand_cost, rate
+        # per depth: summed predicted acceptance of the verified nodes, and rounds that accepted
+        # that deep (prior: one round of perfect calibration)
+        self.predicted = np.ones(depth + 2)
+        self.realised = np.ones(depth + 2)
+        self._cand: TokenTree | None = None
+        self._kept: list[int] = []
+        self._depth_pred: np.ndarray | None = None
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self.state.reset(prompt)
+        self.transform.start(prompt)
+
+    def _dist(self, logits: np.ndarray, tree: TokenTree, node: int) -> np.ndarray:
+        """The draft's distribution after `node` (its context: the sequence and node's path)."""
+        tf = self.transform
+        if tf.active:
+            logits = tf.logits(logits, self._seq, [tree.path_tokens(node)])
+        if self.params.greedy:
+            return softmax(logits)
+        return probabilities(logits, self.params)
+
+    def calibration(self, depth: int) -> float:
+        d = min(depth, len(self.predicted) - 1)
+        return float(min(1.0, self.realised[d] / self.predicted[d]))
+
+    def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
+        root_logits = self.state.sync(seq)
+        self._seq = seq
+        self._depth_pred = None
+        if self.mode == "dynamic":
+            cand, kept, tree = self._dynamic(seq[-1], root_logits, max_depth)
+        else:
+            shape = self.shape
+            if self.mode == "chain":
+                n = min(self.budget(np.ones(max_depth)), max_depth)
+                shape = [(0,) * d for d in range(1, n + 1)]
+            tree = self._static(seq[-1], root_logits, shape, max_depth, noise)
+            cand, kept = tree, list(range(len(tree)))
+        self._cand, self._kept = cand, kept
+        return tree
+
+    def _dynamic(
+        self, root: int, root_logits: np.ndarray, max_depth: int
+    ) -> tuple[TokenTree, list[int], TokenTree]:
+        cand = TokenTree.root(root)
+        raw = [1.0]  # product of draft probabilities along the path
+        value = [1.0]  # calibrated, and never above the parent's
+        dists = {0: self._dist(root_logits, cand, 0)}
+        frontier = [0]
+        depth = min(self.depth, max_depth)
+        drafting = 0.0  # seconds of draft passes this round beyond the catch-up
+        for level in range(1, depth + 1):
+            grown = []
+            c = self.calibration(level)
+            for node in frontier:
+                d = dists[node]
+                for tok in top_tokens(d, self.topk):
+                    if d[tok] <= 0:
+                        break
+                    child = cand.add(node, int(tok))
+                    raw.append(raw[node] * float(d[tok]))
+                    value.append(min(value[node], raw[-1] * c))
+                    grown.append(child)
+            if level == depth or not grown:
+                break
+            frontier = sorted(grown, key=lambda n: -value[n])[: self.topk]
+            if self.rate is not None:
+                # a child is never more likely than its parent (up to the depth's calibration)
+                ratio = min(1.0, self.calibration(level + 1) / max(c, 1e-9))
+                now = np.array(value[1:])
+                later = np.concatenate([now, [value[n] * ratio for n in frontier]])
+                if self.rate(later, drafting + self.expand_cost) <= self.rate(now, drafting):
+                    break
+            drafting += self.expand_cost
+            for node, row in zip(frontier, self.state.expand(cand, frontier)):
+                dists[node] = self._dist(row, cand, node)
+        vals = np.array(value[1:])
+        order = np.argsort(-vals, kind="stable") + 1  # parents precede children on ties
+        # may be 0: where even the best node does not pay for its verification, this round is
+        # a plain step (confident rounds still speculate, so the calibration keeps learning)
+        n = max(0, min(int(self.budget(vals[order - 1])), len(order)))
+        tree, kept = cand.subtree(order[:n].tolist())
+        pred = np.zeros(len(self.predicted))
+        for node in kept[1:]:
+            pred[min(cand.depths[node], len(pred) - 1)] += raw[node]
+        self._depth_pred = pred
+        return cand, kept, tree
+
+    def _static(
+        self,
+        root: int,
+        root_logits: np.ndarray,
+        shape: Sequence[tuple[int, ...]],
+        max_depth: int,
+        noise: PositionNoise,
+    ) -> TokenTree:
+        tree = TokenTree.root(root)
+        draws: dict[int, np.random.Generator] = {}  # per parent: its children's position's draws
+        node_of: dict[tuple[int, ...], int] = {(): 0}
+        dists = {0: self._dist(root_logits, tree, 0)}
+        by_depth: dict[int, list[tuple[int, ...]]] = {}
+        for p in shape:
+            if len(p) <= max_depth:
+                by_depth.setdefault(len(p), []).append(p)
+        for level in sorted(by_depth):
+            paths = by_depth[level]
+            parents = sorted({node_of[p[:-1]] for p in paths if p[:-1] in node_of})
+            missing = [n for n in parents if n not in dists]
+            if missing:
+                for node, row in zip(missing, self.state.expand(tree, missing)):
+                    dists[node] = self._dist(row, tree, node)
+            children: dict[int, list[int]] = {}  # parent node -> child node per rank
+            for p in paths:
+                parent = node_of.get(p[:-1])
+                if parent is None:
+                    continue
+                kids = children.setdefault(parent, [])
+                if p[-1] < len(kids):  # merged duplicates already drew this rank
+                    node_of[p] = kids[p[-1]]
+                    continue
+                d = dists[parent]
+                if self.sampled:
+                    if parent not in draws:
+                        draws[parent] = noise.draws(len(self._seq) + tree.depths[parent])
+                    tok = sample(d, draws[parent])
+                    node = tree.add(parent, tok, d)
+                else:
+                    tok = int(top_tokens(d, p[-1] + 1)[p[-1]])
+                    if d[tok] <= 0:
+                        continue
+                    node = tree.add(parent, tok)
+                kids.append(node)
+                node_of[p] = node
+        return tree
+
+    def observe(self, seq, tree, path, token, target) -> None:
+        assert self._cand is not None
+        self.state.commit(self._cand, [self._kept[n] for n in path])
+        if self._depth_pred is not None:
+            depths = np.arange(len(self.predicted))
+            tried = self._depth_pred > 0
+            self.predicted += self._depth_pred
+            self.realised += tried & (depths >= 1) & (depths <= len(path))

@@ -1,0 +1,101 @@
+"""Lookahead decoding: no model; a Jacobi window of guesses rides along in the verifier pass,
+its outputs feed an n-gram pool, and pool n-grams starting with the last token are verified."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ondevice.speculative.noise import PositionNoise
+from ondevice.speculative.tree import TokenTree
+
+
+class Lookahead:
+    """Lookahead decoding: a 2-D Jacobi window plus an n-gram pool, verified in the same pass.
+
+    The window has `ngram - 1` rows of `window` guesses. Row 0 is a chain after the root (guesses
+    for the next `window` positions); column j hangs below row-0 cell j a chain of rows 1.., so
+    cell (r, j) sits at depth j + r + 1 and its verifier output predicts the position after it.
+    Each column with that output is an n-gram; n-grams go into the pool keyed by their first
+    token, as do the n-grams of the committed text. Pool entries starting with the last committed
+    token are verified as tree branches. Then the window moves: rows shift up (and left by the
+    extra tokens accepted), and the outputs of the last row become the new last row.
+    """
+
+    def __init__(
+        self,
+        *,
+        window: int = 4,
+        ngram: int = 4,
+        candidates: int = 4,
+        pool_size: int = 8,
+        seed: int = 0,
+        name: str = "lookahead",
+    ):
+        if window < 1 or ngram < 2:
+            raise ValueError("lookahead needs window >= 1 and ngram >= 2")
+        self.name = name
+        self.W, self.N, self.G = window, ngram, candidates
+        self.pool_size = pool_size
+        self.seed = seed
+        self.pool: dict[int, list[tuple[int, ...]]] = {}
+        self.grid: list[list[int]] = []
+        self._indexed = 0
+        self._cells: dict[tuple[int, int], int] = {}
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self.pool, self._indexed = {}, 0
+        # Initial guesses: tokens of the prompt, chosen with a fixed seed (the paper's choice;
+        # any guesses are lossless, these at least belong to the text's vocabulary).
+        g = np.random.default_rng(self.seed)
+        self._fill = lambda: int(prompt[int(g.integers(len(prompt)))])
+        self.grid = [[self._fill() for _ in range(self.W)] for _ in range(self.N - 1)]
+
+    def _add(self, gram: Sequence[int]) -> None:
+        key, cont = int(gram[0]), tuple(int(t) for t in gram[1:])
+        lst = self.pool.setdefault(key, [])
+        if cont in lst:
+            lst.remove(cont)
+        lst.insert(0, cont)
+        del lst[self.pool_size :]
+
+    def _index(self, seq: Sequence[int]) -> None:
+        for end in range(max(self._indexed, self.N), len(seq) + 1):
+            self._add(seq[end - self.N : end])
+        self._indexed = max(self._indexed, len(seq))
+
+    def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
+        self._index(seq)
+        tree = TokenTree.root(seq[-1])
+        for cont in self.pool.get(int(seq[-1]), [])[: self.G]:
+            tree.add_path(cont[:max_depth])
+        self._cells = {}
+        parent = 0
+        for j in range(self.W):
+            if j + 1 > max_depth:
+                break
+            parent = self._cells[0, j] = tree.add(parent, self.grid[0][j])
+            below = parent
+            for r in range(1, self.N - 1):
+                if j + r + 1 > max_depth:
+                    break
+                below = self._cells[r, j] = tree.add(below, self.grid[r][j])
+        return tree
+
+    def observe(self, seq, tree, path, token, target) -> None:
+        last = self.N - 2
+        for j in range(self.W):
+            cell = self._cells.get((last, j))
+            if cell is not None:
+                self._add([self.grid[r][j] for r in range(self.N - 1)] + [int(target[cell])])
+        shift = len(path)  # extra tokens committed beyond one: the window slides further
+        new_last = [
+            int(target[self._cells[last, j]]) if (last, j) in self._cells else self._fill()
+            for j in range(self.W)
+        ]
+        rows = self.grid[1:] + [new_last]
+        self.grid = [
+            row[shift:] + [self._fill() for _ in range(min(shift, self.W))] for row in rows
+        ]
+        self._index([*seq, *(tree.tokens[n] for n in path), token])

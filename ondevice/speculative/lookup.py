@@ -1,0 +1,121 @@
+"""Prompt lookup: no model; the last n tokens are looked up earlier in the context and what
+followed them is proposed (several matches form a tree)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ondevice.speculative.noise import PositionNoise
+from ondevice.speculative.proposers import BudgetFn, fixed_budget
+from ondevice.speculative.tree import TokenTree
+
+
+class NgramIndex:
+    """Where each n-gram (n in [min_n, max_n]) of a growing sequence ends, most recent last."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 3):
+        self.min_n, self.max_n = min_n, max_n
+        self.seq: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, seq: Sequence[int]) -> None:
+        """Index `seq`, which must extend (or equal) what was indexed before."""
+        if len(seq) < len(self.seq) or list(seq[: len(self.seq)]) != self.seq:
+            self.seq, self.ends = [], {}
+        start = len(self.seq)
+        self.seq.extend(int(t) for t in seq[start:])
+        for end in range(max(start, 1), len(self.seq) + 1):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.ends.setdefault(tuple(self.seq[end - n : end]), []).append(end)
+
+    def continuations(self, k: int, branches: int) -> list[list[int]]:
+        """Up to `branches` distinct continuations (<= k tokens) of earlier occurrences of the
+        longest suffix that occurred before; most recent occurrences first."""
+        s = self.seq
+        for n in range(min(self.max_n, len(s) - 1), self.min_n - 1, -1):
+            ends = self.ends.get(tuple(s[len(s) - n :]), [])
+            out: list[list[int]] = []
+            for e in reversed(ends):
+                if e >= len(s):
+                    continue  # the suffix itself
+                cont = s[e : e + k]
+                if cont and not any(c[: len(cont)] == cont for c in out):
+                    out.append(cont)
+                    if len(out) >= branches:
+                        break
+            if out:
+                return out
+        return []
+
+
+class AcceptanceModel:
+    """Per-token acceptance rate of a proposer, as the MLE of a geometric model: accepted
+    tokens over (accepted tokens + rounds that ended in a rejection). Used to size proposals."""
+
+    def __init__(self, prior_accept: float = 1.0, prior_reject: float = 1.0):
+        self.acc, self.rej = prior_accept, prior_reject
+
+    def update(self, proposed_depth: int, accepted: int) -> None:
+        self.acc += accepted
+        if accepted < proposed_depth:
+            self.rej += 1
+
+    @property
+    def rate(self) -> float:
+        return self.acc / (self.acc + self.rej)
+
+    def values(self, n: int) -> np.ndarray:
+        """Probability that each of n chained proposals is accepted: rate ** depth."""
+        return self.rate ** np.arange(1, n + 1)
+
+
+class PromptLookup:
+    """Prompt lookup decoding: propose what followed earlier occurrences of the context's tail."""
+
+    def __init__(
+        self,
+        *,
+        min_ngram: int = 1,
+        max_ngram: int = 3,
+        budget: BudgetFn | int | None = None,  # nodes per proposal (None: max_tokens per branch)
+        max_tokens: int = 10,
+        branches: int = 3,
+        name: str = "pld",
+    ):
+        self.name = name
+        self.index = NgramIndex(min_ngram, max_ngram)
+        self.max_tokens = max_tokens
+        self.branches = branches
+        self.budget = fixed_budget(budget) if isinstance(budget, int) else budget
+        self.model = AcceptanceModel()
+        self._depth = 0
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self.index = NgramIndex(self.index.min_n, self.index.max_n)
+        self.model = AcceptanceModel()
+
+    def guesses(self, seq: Sequence[int], k: int) -> list[list[int]]:
+        self.index.extend(seq)
+        return self.index.continuations(k, self.branches)
+
+    def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
+        k = min(self.max_tokens, max_depth)
+        tree = TokenTree.root(seq[-1])
+        nodes = k * self.branches
+        if self.budget is not None:
+            # at least one token: a budget of 0 would never learn that lookups pay off
+            nodes = max(1, int(self.budget(self.model.values(nodes))))
+            k = min(k, nodes)
+        for cont in self.guesses(seq, k):
+            room = nodes - tree.size
+            if room <= 0:
+                break
+            tree.add_path(cont[:room])
+        self._depth = tree.max_depth
+        return tree
+
+    def observe(self, seq, tree, path, token, target) -> None:
+        if tree.size:
+            self.model.update(self._depth, len(path))
