@@ -457,7 +457,8 @@ def test_chat_stats_show_the_prompt_cache(models):
     first, second = out.getvalue().splitlines()
     turn = ctrl.last_stats
     assert turn["cached_tokens"] > 0
-    assert f"{turn['cached_tokens']} of {turn['prompt_tokens']} prompt tokens from the cache" in first
+    assert f"prompt {turn['prompt_tokens']} tokens" in first
+    assert f"({turn['cached_tokens']} from the prompt cache)" in first
     assert second.startswith("prompt cache: 1 entries") and "1 hits" in second
 
 
