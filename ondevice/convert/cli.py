@@ -21,10 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ondevice.apps.options import DTYPES, QUANTIZE_BITS
+from ondevice.convert.coreml import COMPRESSIONS, DEFAULT_CHUNK, DEFAULT_CONTEXT, KV_MODES
 from ondevice.errors import OndeviceError
-
-COMPRESSIONS = ("none", "palettize4", "palettize6", "int8")
-KV_MODES = ("state", "io")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,14 +38,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", "--draft-model", dest="draft", metavar="D",
                    help="draft: model folder, .gguf file or hub id")  # fmt: skip
     p.add_argument("-o", "--output", metavar="OUT", help="bundle directory to create")
+    _add_draft_arguments(p)
     p.add_argument(
-        "--context", type=int, default=1024, help="draft context length in tokens (default 1024)"
+        "--verifier-quantize",
+        choices=("none", *(str(b) for b in QUANTIZE_BITS)),
+        default="none",
+        help="quantize the verifier's MLX weights to 4 or 8 bits (default none)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="float type of the MLX weights (default: as stored in the checkpoint)",
+    )
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--check",
+        metavar="BUNDLE",
+        help="verify a bundle's checksums, list the draft's ops and Neural Engine findings",
+    )
+    return p
+
+
+def _add_draft_arguments(p: argparse.ArgumentParser) -> None:
+    """The Core ML draft's options: `convert_draft`'s arguments, with its defaults and choices."""
+    p.add_argument(
+        "--context",
+        type=int,
+        default=DEFAULT_CONTEXT,
+        help="draft context length in tokens (default %(default)s)",
     )
     p.add_argument(
         "--draft-chunk",
         type=int,
-        default=16,
-        help="tokens per call of the draft's chunk function (prefill/catch-up; default 16)",
+        default=DEFAULT_CHUNK,
+        help="tokens per call of the draft's chunk function (prefill/catch-up; default "
+        "%(default)s)",
     )
     p.add_argument(
         "--draft-compress",
@@ -62,18 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache as Core ML state (default) or as model inputs/outputs (io)",
     )
     p.add_argument(
-        "--verifier-quantize",
-        choices=("none", *(str(b) for b in QUANTIZE_BITS)),
-        default="none",
-        help="quantize the verifier's MLX weights to 4 or 8 bits (default none)",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default=None,
-        help="float type of the MLX weights (default: as stored in the checkpoint)",
-    )
-    p.add_argument(
         "--probe-prompts",
         type=int,
         default=2,
@@ -82,13 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
         "each) in the reference executor and refuse a package whose activations come near "
         "float16's limit (default 2; 0 skips it; each prompt costs ~40 s for a 0.5B draft)",
     )
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.add_argument(
-        "--check",
-        metavar="BUNDLE",
-        help="verify a bundle's checksums, list the draft's ops and Neural Engine findings",
-    )
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +170,7 @@ class Phases:
 
 def _validate(args: argparse.Namespace) -> None:
     """Option ranges the Core ML converter accepts, checked before any model is loaded."""
-    from ondevice.convert.coreml import check_options
+    from ondevice.convert.layout import check_options
 
     check_options(args.context, args.draft_chunk)
     if args.probe_prompts < 0:
@@ -174,13 +181,13 @@ def _validate(args: argparse.Namespace) -> None:
 
 def _check_pair(verifier: Any, draft: Any, context: int) -> None:
     """Tokenizers, vocabularies and context: everything that makes a pair unusable."""
-    from ondevice.convert import coreml
+    from ondevice.convert.layout import check_config
     from ondevice.errors import ModelFormatError
     from ondevice.models.tokenizer import check_pair
 
     check_pair(verifier.tokenizer, draft.tokenizer, draft_vocab=draft.config.vocab_size)
     # The converter's own architecture check, run now rather than after the verifier is written.
-    coreml._check_config(draft.config)
+    check_config(draft.config)
     for role, m in (("draft", draft), ("verifier", verifier)):
         if context > m.config.max_position_embeddings:
             raise ModelFormatError(
@@ -286,92 +293,17 @@ def estimate_bundle_bytes(args: argparse.Namespace) -> int:
 
 
 def convert(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from ondevice.convert import coreml
-    from ondevice.convert.bundle import (
-        check_destination,
-        file_entries,
-        recover,
-        staging_dir,
-        total_size,
-        write_manifest,
-    )
-    from ondevice.models import load_model
+    from ondevice.convert.bundle import check_destination, recover, staging_dir, total_size
 
     out = Path(args.output).expanduser().absolute()
     for line in recover(out):  # what conversions killed earlier left behind
         print(f"note: {line}", file=sys.stderr)
     _validate(args)
     check_destination(out, args.force, estimate_bundle_bytes(args))  # before minutes of loading
-    quantize = None if args.verifier_quantize == "none" else int(args.verifier_quantize)
-
     phases = Phases(total=8)
-    with phases(f"loading verifier {args.verifier}"):
-        verifier = load_model(args.verifier, dtype=args.dtype, quantize=quantize)
-    with phases(f"loading draft {args.draft}"):
-        draft = load_model(args.draft, dtype=args.dtype)
-    with phases("checking the pair (tokenizers, vocabulary, context)"):
-        _check_pair(verifier, draft, args.context)
-
+    verifier, draft = _load_pair(args, phases)
     with staging_dir(out, force=args.force) as tmp:
-        with phases("writing verifier (MLX)"):
-            _save_mlx(verifier, tmp / "verifier")
-        with phases("writing draft (MLX)"):
-            _save_mlx(draft, tmp / "draft" / "mlx")
-        with phases(
-            f"converting draft to Core ML (context {args.context}, chunk {args.draft_chunk}, "
-            f"compress {args.draft_compress}, kv {args.draft_kv})"
-        ):
-            weights = draft_numpy_weights(draft.model)
-            description = coreml.convert_draft(
-                draft.model.config,
-                weights,
-                tmp / "draft" / "draft.mlpackage",
-                context=args.context,
-                chunk=args.draft_chunk,
-                compress=args.draft_compress,
-                kv=args.draft_kv,
-                progress=_convert_progress(),
-                probe_prompts=_probe_prompts(draft.tokenizer)[: args.probe_prompts],
-            )
-            del weights
-        with phases("writing tokenizer"):
-            verifier.tokenizer.save(tmp / "tokenizer")
-        with phases("computing checksums"):
-            with tqdm(
-                total=total_size(tmp), unit="B", unit_scale=True, leave=False, file=sys.stderr
-            ) as bar:
-                files = file_entries(tmp, progress=bar.update)
-            write_manifest(
-                tmp,
-                {
-                    "context_length": args.context,
-                    "tokenizer": {
-                        "path": "tokenizer",
-                        "fingerprint": verifier.tokenizer.fingerprint(),
-                        "vocab_size": verifier.tokenizer.vocab_size,
-                        "eos_token_ids": sorted(verifier.tokenizer.eos_token_ids),
-                    },
-                    "verifier": {"path": "verifier", **_describe(verifier, str(args.verifier))},
-                    "draft": {
-                        "mlx": "draft/mlx",
-                        "mlpackage": "draft/draft.mlpackage",
-                        **_describe(draft, str(args.draft)),
-                        "functions": description.get("functions"),
-                        "coreml": description,
-                    },
-                    "options": {
-                        "context": args.context,
-                        "draft_chunk": args.draft_chunk,
-                        "draft_compress": args.draft_compress,
-                        "draft_kv": args.draft_kv,
-                        "verifier_quantize": args.verifier_quantize,
-                        "dtype": args.dtype,
-                    },
-                    "files": files,
-                },
-            )
+        _write_bundle(args, verifier, draft, tmp, phases)
         sizes = {
             "verifier": total_size(tmp / "verifier"),
             "draft.mlpackage": total_size(tmp / "draft" / "draft.mlpackage"),
@@ -383,6 +315,99 @@ def convert(args: argparse.Namespace) -> int:
     parts = ", ".join(f"{k} {_mb(v)}" for k, v in sizes.items())
     print(f"wrote {out} ({_mb(total)}: {parts}) in {elapsed:.1f} s", file=sys.stderr)
     return 0
+
+
+def _load_pair(args: argparse.Namespace, phases: Phases) -> tuple[Any, Any]:
+    """The verifier (quantized if asked) and the draft, checked as a pair."""
+    from ondevice.models import load_model
+
+    quantize = None if args.verifier_quantize == "none" else int(args.verifier_quantize)
+    with phases(f"loading verifier {args.verifier}"):
+        verifier = load_model(args.verifier, dtype=args.dtype, quantize=quantize)
+    with phases(f"loading draft {args.draft}"):
+        draft = load_model(args.draft, dtype=args.dtype)
+    with phases("checking the pair (tokenizers, vocabulary, context)"):
+        _check_pair(verifier, draft, args.context)
+    return verifier, draft
+
+
+def _write_bundle(
+    args: argparse.Namespace, verifier: Any, draft: Any, tmp: Path, phases: Phases
+) -> None:
+    """Every file of the bundle into the staging directory `tmp`, the manifest last."""
+    from tqdm import tqdm
+
+    from ondevice.convert.bundle import file_entries, total_size, write_manifest
+
+    with phases("writing verifier (MLX)"):
+        _save_mlx(verifier, tmp / "verifier")
+    with phases("writing draft (MLX)"):
+        _save_mlx(draft, tmp / "draft" / "mlx")
+    with phases(
+        f"converting draft to Core ML (context {args.context}, chunk {args.draft_chunk}, "
+        f"compress {args.draft_compress}, kv {args.draft_kv})"
+    ):
+        description = _convert_draft(args, draft, tmp / "draft" / "draft.mlpackage")
+    with phases("writing tokenizer"):
+        verifier.tokenizer.save(tmp / "tokenizer")
+    with phases("computing checksums"):
+        with tqdm(
+            total=total_size(tmp), unit="B", unit_scale=True, leave=False, file=sys.stderr
+        ) as bar:
+            files = file_entries(tmp, progress=bar.update)
+        write_manifest(tmp, _manifest(args, verifier, draft, description, files))
+
+
+def _convert_draft(args: argparse.Namespace, draft: Any, path: Path) -> dict:
+    """The draft as a Core ML package at `path` (lint and float16 probe included)."""
+    from ondevice.convert import coreml
+
+    weights = draft_numpy_weights(draft.model)
+    description = coreml.convert_draft(
+        draft.model.config,
+        weights,
+        path,
+        context=args.context,
+        chunk=args.draft_chunk,
+        compress=args.draft_compress,
+        kv=args.draft_kv,
+        progress=_convert_progress(),
+        probe_prompts=_probe_prompts(draft.tokenizer)[: args.probe_prompts],
+    )
+    del weights
+    return description
+
+
+def _manifest(
+    args: argparse.Namespace, verifier: Any, draft: Any, description: dict, files: Any
+) -> dict[str, Any]:
+    """The bundle's manifest fields (`write_manifest` adds the format's own)."""
+    return {
+        "context_length": args.context,
+        "tokenizer": {
+            "path": "tokenizer",
+            "fingerprint": verifier.tokenizer.fingerprint(),
+            "vocab_size": verifier.tokenizer.vocab_size,
+            "eos_token_ids": sorted(verifier.tokenizer.eos_token_ids),
+        },
+        "verifier": {"path": "verifier", **_describe(verifier, str(args.verifier))},
+        "draft": {
+            "mlx": "draft/mlx",
+            "mlpackage": "draft/draft.mlpackage",
+            **_describe(draft, str(args.draft)),
+            "functions": description.get("functions"),
+            "coreml": description,
+        },
+        "options": {
+            "context": args.context,
+            "draft_chunk": args.draft_chunk,
+            "draft_compress": args.draft_compress,
+            "draft_kv": args.draft_kv,
+            "verifier_quantize": args.verifier_quantize,
+            "dtype": args.dtype,
+        },
+        "files": files,
+    }
 
 
 if __name__ == "__main__":
