@@ -38,10 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MAX_DIM = 16384
+from ondevice.convert.layout import MAX_CHUNK, MAX_DIM, STATE_ALIGN
+
 MAX_RANK = 4
-MAX_TOKENS = 32  # per call of a function (input_ids length)
-STATE_ALIGN = 32
 SMALL_INDEX_TENSOR = 64  # integer tensors up to this size are position/index bookkeeping
 # Ops that Core ML runs on the Neural Engine in float16 (the op set of ml-ane-transformers and
 # ANEMLL models, whose Xcode performance reports show them on the ANE).
@@ -184,21 +183,25 @@ def check_mlpackage(path: str | Path) -> list[Finding]:
     return findings
 
 
+def _reporter(fname: str, op: str, tensor: str) -> Callable[[str, str], Finding]:
+    """`report(severity, message)`: a finding about one tensor of one op of function `fname`."""
+    return lambda severity, message: Finding(severity, fname, op, tensor, message)
+
+
 def _check_inputs(fname: str, func, types) -> list[Finding]:
     found: list[Finding] = []
     for name, var in func.inputs.items():
         state = types.is_state(var.sym_type)
         sym = var.sym_type.wrapped_type() if state else var.sym_type
         shape = var.shape
+        report = _reporter(fname, "input", name)
         if types.is_tensor(sym) and sym.get_primitive() in (types.fp32, types.fp64):
-            found.append(Finding("error", fname, "input", name, "float32 input; use float16"))
+            found.append(report("error", "float32 input; use float16"))
         if any(not isinstance(d, int) for d in shape):
-            found.append(Finding("error", fname, "input", name, f"dynamic shape {shape}"))
+            found.append(report("error", f"dynamic shape {shape}"))
             continue
         if len(shape) > MAX_RANK:
-            found.append(
-                Finding("error", fname, "input", name, f"rank {len(shape)} > {MAX_RANK}")
-            )
+            found.append(report("error", f"rank {len(shape)} > {MAX_RANK}"))
         if state and any(d % STATE_ALIGN for d in shape[-2:]):
             found.append(
                 Finding(
@@ -210,14 +213,11 @@ def _check_inputs(fname: str, func, types) -> list[Finding]:
                     f"of {STATE_ALIGN}",
                 )
             )
-        if name == "input_ids" and len(shape) == 2 and shape[-1] > MAX_TOKENS:
+        if name == "input_ids" and len(shape) == 2 and shape[-1] > MAX_CHUNK:
             found.append(
-                Finding(
+                report(
                     "error",
-                    fname,
-                    "input",
-                    name,
-                    f"{shape[-1]} tokens per call; at most {MAX_TOKENS} are reported to work",
+                    f"{shape[-1]} tokens per call; at most {MAX_CHUNK} are reported to work",
                 )
             )
     return found
@@ -225,19 +225,17 @@ def _check_inputs(fname: str, func, types) -> list[Finding]:
 
 def _check_tensor(fname: str, op, var, const: bool, types) -> list[Finding]:
     shape = var.shape
+    finding = _reporter(fname, op.op_type, var.name)
     if any(not isinstance(d, int) for d in shape):
-        return [Finding("error", fname, op.op_type, var.name, f"dynamic shape {shape}")]
+        return [finding("error", f"dynamic shape {shape}")]
     found: list[Finding] = []
     table = const and _embedding_table(var)
     # Rank: compressed-weight parts (a palettized weight's rank-6 lookup table) are unpacked at
     # load time, so only tensors that flow at run time count.
     if len(shape) > MAX_RANK and not const:
         found.append(
-            Finding(
+            finding(
                 "error",
-                fname,
-                op.op_type,
-                var.name,
                 f"rank {len(shape)} tensor {tuple(shape)}; the Neural Engine takes rank <= "
                 f"{MAX_RANK}",
             )
@@ -246,36 +244,22 @@ def _check_tensor(fname: str, op, var, const: bool, types) -> list[Finding]:
     if big and table:
         if any(c.op_type == "gather" for c in var.child_ops):  # else a compressed part of it
             found.append(
-                Finding(
+                finding(
                     "warning",
-                    fname,
-                    op.op_type,
-                    var.name,
                     f"embedding table {tuple(shape)} exceeds {MAX_DIM}: the lookup runs on the "
                     "CPU (as in ml-ane-transformers)",
                 )
             )
     elif big:
         found.append(
-            Finding(
+            finding(
                 "error",
-                fname,
-                op.op_type,
-                var.name,
                 f"dimension {max(big)} exceeds the Neural Engine limit {MAX_DIM} "
                 f"(shape {tuple(shape)}); split it",
             )
         )
     if var.dtype in (types.fp32, types.fp64) and not const:
-        found.append(
-            Finding(
-                "error",
-                fname,
-                op.op_type,
-                var.name,
-                "float32 tensor; the Neural Engine computes in float16",
-            )
-        )
+        found.append(finding("error", "float32 tensor; the Neural Engine computes in float16"))
     return found
 
 
