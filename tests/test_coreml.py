@@ -366,9 +366,7 @@ def test_truncated_vocabulary_draft_converts_only_its_rows(tmp):
     assert got.shape == ref.shape == (12, K)
     assert_close(got, ref)
 
-    verifier = build_model(
-        ModelConfig.from_dict(raw), {k: mx.array(v) for k, v in weights.items()}
-    )
+    verifier = build_model(ModelConfig.from_dict(raw), {k: mx.array(v) for k, v in weights.items()})
     greedy = SamplingParams(temperature=0.0)
     plain = SpeculativeDecoder(MLXEngine(verifier), None, greedy)
     want = [t for r in plain.run(tokens, 24) for t in r.tokens]

@@ -115,9 +115,7 @@ class FakeCoreML:
                     raise RuntimeError("prediction failed")
                 # What Core ML may do after returning: read the inputs later. Keep weak
                 # references and the values they held.
-                fake.inputs_seen.append(
-                    {k: (weakref.ref(v), v.copy()) for k, v in inputs.items()}
-                )
+                fake.inputs_seen.append({k: (weakref.ref(v), v.copy()) for k, v in inputs.items()})
                 out = self._model.predict(inputs, state)
                 if fake.fail == "nan":
                     out = {k: np.full_like(v, np.nan) for k, v in out.items()}
@@ -151,9 +149,7 @@ def home(tmp_path, monkeypatch) -> Path:
         ("native", "native module"),
     ],
 )
-def test_core_ml_failure_falls_back_to_the_mlx_draft(
-    draft, home, monkeypatch, capsys, fail, step
-):
+def test_core_ml_failure_falls_back_to_the_mlx_draft(draft, home, monkeypatch, capsys, fail, step):
     cfg, w, pkg = draft
     FakeCoreML(monkeypatch, fail=None if fail == "native" else fail)
     if fail == "native":
@@ -270,7 +266,9 @@ def test_float16_accumulate_mode_emulates_overflow(tmp):
         return mb.layer_norm(x=x, axes=[1], epsilon=np.float16(1e-5))
 
     model = ct.convert(
-        prog, convert_to="mlprogram", minimum_deployment_target=ct.target.macOS15,
+        prog,
+        convert_to="mlprogram",
+        minimum_deployment_target=ct.target.macOS15,
         skip_model_load=True,
     )
     path = tmp / "norm.mlpackage"
@@ -359,7 +357,9 @@ def _program_package(tmp: Path, name: str, build) -> Path:
     import coremltools as ct
 
     model = ct.convert(
-        build, convert_to="mlprogram", minimum_deployment_target=ct.target.macOS15,
+        build,
+        convert_to="mlprogram",
+        minimum_deployment_target=ct.target.macOS15,
         skip_model_load=True,
     )
     path = tmp / f"{name}.mlpackage"
@@ -431,8 +431,11 @@ class _FakePlan:
     def get_compute_device_usage_for_mlprogram_operation(self, op):
         if op.fname != self.default:
             return None
-        device = type("MLCPUComputeDevice" if op.operator_name == "gather" else
-                      "MLNeuralEngineComputeDevice", (), {})()
+        device = type(
+            "MLCPUComputeDevice" if op.operator_name == "gather" else "MLNeuralEngineComputeDevice",
+            (),
+            {},
+        )()
         return types.SimpleNamespace(preferred_compute_device=device)
 
     def get_estimated_cost_for_mlprogram_operation(self, op):

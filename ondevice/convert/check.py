@@ -89,7 +89,7 @@ def _check_draft(mlpackage: Path) -> int:
             _print("  compute plan (MLComputePlan, one per function):")
             for line in _plan_lines(plan):
                 _print(f"    {line}")
-            for fn, placement in (plan.items() if isinstance(plan, dict) else ()):
+            for fn, placement in plan.items() if isinstance(plan, dict) else ():
                 share = getattr(placement, "share", None)
                 if share is not None and share("NeuralEngine") < 0.5:
                     _print(
