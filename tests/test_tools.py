@@ -102,6 +102,9 @@ class CannedDecoder:
                 return
             yield Round([tok], [False], 0, 0, "length" if i + 1 == max_tokens else None)
 
+    def extra_stats(self) -> dict:
+        return {}
+
     def draft_prefix_length(self) -> int:
         return 0
 
