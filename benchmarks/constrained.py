@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-draft-tokens", type=int, default=None, metavar="K")
     ap.add_argument("--method", default="chain", choices=options.METHODS)
+    ap.add_argument("--limit", type=int, default=None, metavar="N", help="the first N prompts")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--unconstrained", action="store_true",
                     help="the same runs without the grammar, for comparison")  # fmt: skip
@@ -56,6 +57,7 @@ def main() -> None:
         args.draft_backend = "mlx"
     gen = options.load_generator(args)
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
+    rows = rows[: args.limit]
     opts = dict(max_tokens=args.max_tokens, temperature=0.0, cache_prompt=False)
     gen.generate(rows[0]["prompt"], max_tokens=8, cache_prompt=False)  # warm-up
     plain_t = spec_t = 0.0
