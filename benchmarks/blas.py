@@ -78,8 +78,10 @@ def main() -> int:
     for kind, r in rows:
         ms = [r["pass_ms"][str(n)] for n in tokens]
         cells = " | ".join(f"{m:.0f}" for m in ms)
-        print(f"| {kind} | {os.path.basename(r['blas'])} | {r['load_s']:.1f} | {cells} | "
-              f"{ms[-1] / ms[0]:.2f} |")
+        print(
+            f"| {kind} | {os.path.basename(r['blas'])} | {r['load_s']:.1f} | {cells} | "
+            f"{ms[-1] / ms[0]:.2f} |"
+        )
     return 0
 
 

@@ -83,7 +83,9 @@ def main() -> None:
             valid += 1
         except json.JSONDecodeError:
             pass  # cut by --max-tokens
-        per_prompt.append(ps["tokens_per_second"] and ss["tokens_per_second"] / ps["tokens_per_second"])
+        per_prompt.append(
+            ps["tokens_per_second"] and ss["tokens_per_second"] / ps["tokens_per_second"]
+        )
         if args.verbose:
             print(f"{row['id']:>11}: {per_prompt[-1]:.2f}x  {spec.text[:70]!r}")
     print(f"model {args.model}, draft {args.draft or '(bundle)'}, {len(rows)} prompts, "

@@ -49,7 +49,9 @@ def text_of(gen: Any, tokens: int, role: str, start: int = 0) -> str:
             return text
 
 
-def first_token(gen: Any, messages: list[dict[str, str]], **kw: Any) -> tuple[float, list[int], dict]:
+def first_token(
+    gen: Any, messages: list[dict[str, str]], **kw: Any
+) -> tuple[float, list[int], dict]:
     """(seconds to the first token, all tokens, stats) of one streamed answer."""
     t0 = time.perf_counter()
     ttft = None
@@ -128,7 +130,9 @@ class _Server:
 
 def server_workload(gen: Any, args: argparse.Namespace) -> dict:
     system = {"role": "system", "content": text_of(gen, args.system_tokens, "system")}
-    questions = [f"Question {i}: what did the {WORDS[i % len(WORDS)]} do?" for i in range(args.requests)]
+    questions = [
+        f"Question {i}: what did the {WORDS[i % len(WORDS)]} do?" for i in range(args.requests)
+    ]
     budget = gen.prompt_cache.max_bytes
     out: dict[str, Any] = {"system_tokens": gen.count_tokens([system]), "budget_bytes": budget}
     answers: dict[str, list[str]] = {}
@@ -168,10 +172,14 @@ def server_workload(gen: Any, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--verifier", required=True, help="verifier (folder, .gguf, bundle or name)")
     p.add_argument("--draft", help="draft model (a bundle brings its own)")
-    p.add_argument("--draft-backend", default="auto", choices=("auto", "coreml", "reference", "mlx"))
+    p.add_argument(
+        "--draft-backend", default="auto", choices=("auto", "coreml", "reference", "mlx")
+    )
     p.add_argument("--history-tokens", type=int, default=1500, help="chat history before turn 2")
     p.add_argument("--answer-tokens", type=int, default=64, help="turn 1's answer length")
     p.add_argument("--system-tokens", type=int, default=1000, help="server: shared system prompt")

@@ -37,7 +37,10 @@ def main() -> None:
     flt = load_model(args.model, dequantize=True).model
     print("L  quantized_ms  float32_ms")
     for L in map(int, args.lengths.split(",")):
-        print(f"{L:<3}{pass_ms(quant, L, args.reps):12.1f}{pass_ms(flt, L, args.reps):12.1f}", flush=True)
+        print(
+            f"{L:<3}{pass_ms(quant, L, args.reps):12.1f}{pass_ms(flt, L, args.reps):12.1f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """ondevice: lossless speculative decoding on Apple Silicon.
 
-    import ondevice
-    gen = ondevice.load("smollm2-135m-instruct")
-    print(gen.generate("Hello!").text)
+import ondevice
+gen = ondevice.load("smollm2-135m-instruct")
+print(gen.generate("Hello!").text)
 """
 
 from __future__ import annotations

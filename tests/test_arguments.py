@@ -82,7 +82,9 @@ def test_bad_load_arguments(models, args, kwargs, match):
 
 def _run(*argv: bytes | str, script: str = "ondevice") -> subprocess.CompletedProcess:
     exe = Path(sys.executable).parent / script
-    return subprocess.run([exe, *argv], capture_output=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(
+        [exe, *argv], capture_output=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
 
 
 @pytest.mark.slow

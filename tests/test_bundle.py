@@ -487,7 +487,11 @@ def test_the_quick_check_samples_large_files(tmp_path: Path) -> None:
     ],
 )  # fmt: skip
 def test_a_bad_manifest_is_refused_by_field(
-    bundle_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit, field: str  # noqa: ANN001
+    bundle_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    edit,
+    field: str,  # noqa: ANN001
 ) -> None:
     b = _copy(bundle_dir, tmp_path / "b")
     _edit_manifest(b, edit)

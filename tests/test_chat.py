@@ -268,7 +268,11 @@ def test_installed_bundles_and_formatting(tmp_path):
     (tmp_path / "not-a-bundle").mkdir()
     found = installed_bundles(tmp_path)
     assert [(b.name, b.size_bytes) for b in found] == [("a-pair", 12), ("b-pair", 1502)]
-    assert [human_size(n) for n in (12, 1502, 3.2e9)] == ["12 B", "1.5 KB", "3.0 GB"]  # binary units
+    assert [human_size(n) for n in (12, 1502, 3.2e9)] == [
+        "12 B",
+        "1.5 KB",
+        "3.0 GB",
+    ]  # binary units
     assert format_stats(None) == "no answer yet"
 
 

@@ -156,7 +156,9 @@ def test_too_little_space_is_refused_before_loading(pair, tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("cause", ["EROFS", "/sys"])
-def test_a_read_only_destination_is_refused_before_loading(pair, tmp_path, monkeypatch, capsys, cause):
+def test_a_read_only_destination_is_refused_before_loading(
+    pair, tmp_path, monkeypatch, capsys, cause
+):
     import ondevice.models
 
     def no_load(*a, **k):

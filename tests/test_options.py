@@ -68,7 +68,9 @@ def test_one_spelling_per_option_across_commands():
                 continue
             if action.dest in seen and action.dest not in ("model",):  # bench: --model = bundle
                 other, other_flags = seen[action.dest]
-                assert flags == other_flags, f"{action.dest}: {name} {flags} vs {other} {other_flags}"
+                assert flags == other_flags, (
+                    f"{action.dest}: {name} {flags} vs {other} {other_flags}"
+                )
             seen.setdefault(action.dest, (name, flags))
     assert "--temperature" not in {f for _, fl in seen.values() for f in fl}
 

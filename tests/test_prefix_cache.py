@@ -440,7 +440,9 @@ def test_server_reports_cached_tokens_and_metrics(models, uncached):
     }
     assert values["ondevice_prompt_cache_hits_total"] == 2
     assert values["ondevice_prompt_cache_misses_total"] == 2
-    assert values["ondevice_prompt_cache_cached_tokens_total"] == cached + r2.usage.prompt_tokens - 1
+    assert (
+        values["ondevice_prompt_cache_cached_tokens_total"] == cached + r2.usage.prompt_tokens - 1
+    )
     assert values["ondevice_prompt_cache_bytes"] == gen.prompt_cache_stats()["bytes"] > 0
     assert values["ondevice_prompt_cache_evictions_total"] == 0
     assert values["ondevice_prompt_cache_max_bytes"] == 1 << 30

@@ -74,7 +74,9 @@ def options() -> st.SearchStrategy[dict[str, Any]]:
             "seed": st.one_of(st.integers(-(2**70), 2**70), anything),
             "stop": st.one_of(text, st.lists(text, max_size=5), anything),
             "stream": st.one_of(st.booleans(), anything),
-            "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), anything),
+            "stream_options": st.one_of(
+                st.fixed_dictionaries({"include_usage": st.booleans()}), anything
+            ),
             "n": st.one_of(st.integers(-1, 3), anything),
             "num_draft_tokens": st.one_of(st.integers(-3, 70), anything),
             "speculative": st.one_of(st.booleans(), anything),
@@ -89,8 +91,16 @@ message = st.one_of(
         {"role": st.sampled_from(["system", "developer", "user", "assistant"]), "content": text}
     ),
     st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "tool", "", "USER"]),
-         "content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=3), anything)},  # fmt: skip
+        {
+            "role": st.sampled_from(["user", "tool", "", "USER"]),
+            "content": st.one_of(
+                text,
+                st.lists(
+                    st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=3
+                ),
+                anything,
+            ),
+        },  # fmt: skip
     ),
     anything,
 )
@@ -114,7 +124,11 @@ completion_body = st.one_of(
 
 def _post(server: LiveServer, path: str, body: Any) -> None:
     data = json.dumps(body).replace('"MODEL"', json.dumps(server.api.model_id))
-    r = server.http.post(path, content=data.encode("utf-8", "surrogatepass"), headers={"Content-Type": "application/json"})
+    r = server.http.post(
+        path,
+        content=data.encode("utf-8", "surrogatepass"),
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code < 500, (body, r.status_code, r.text)
     if r.status_code >= 400:
         err = r.json()["error"]

@@ -74,7 +74,10 @@ def test_a_4mb_prompt_is_refused_before_it_is_tokenized(server, gen, monkeypatch
     else:  # tool descriptions are rendered into the prompt too
         template = "{{ tools | tojson }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
         monkeypatch.setattr(gen.tokenizer, "chat_template", template)
-        tool = {"type": "function", "function": {"name": "f", "description": text, "parameters": {}}}
+        tool = {
+            "type": "function",
+            "function": {"name": "f", "description": text, "parameters": {}},
+        }
         body = json.dumps(_chat(server, "hi", tools=[tool])).encode()
     with httpx.Client(timeout=60) as client:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
@@ -180,7 +183,9 @@ def test_foreign_origin_and_non_json_posts_are_refused(server):
     for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
         r = httpx.post(url, content=body, headers={"Content-Type": ctype})
         assert _error(r, 415)["code"] == "unsupported_media_type"
-        r = httpx.post(url, content=body, headers={"Content-Type": ctype, "Origin": "https://evil.example"})
+        r = httpx.post(
+            url, content=body, headers={"Content-Type": ctype, "Origin": "https://evil.example"}
+        )
         assert _error(r, 403)["code"] == "origin_not_allowed"
     for origin in ("https://evil.example", "null", "http://127.0.0.1.evil.example"):
         r = httpx.post(url, content=body, headers={**JSON, "Origin": origin})
@@ -189,7 +194,12 @@ def test_foreign_origin_and_non_json_posts_are_refused(server):
     # A page on the machine itself (a local web UI), and clients that send no Origin, are fine.
     for headers in ({**JSON, "Origin": "http://localhost:5173"}, JSON):
         assert httpx.post(url, content=body, headers=headers).status_code == 200
-    assert httpx.post(url, content=body, headers={"Content-Type": "application/json; charset=utf-8"}).status_code == 200
+    assert (
+        httpx.post(
+            url, content=body, headers={"Content-Type": "application/json; charset=utf-8"}
+        ).status_code
+        == 200
+    )
 
 
 def test_allow_lists_can_be_widened(gen):
@@ -198,7 +208,9 @@ def test_allow_lists_can_be_widened(gen):
         r = httpx.post(s.url + "/v1/chat/completions", json=body,
                        headers={"Host": "my-mac.local", "Origin": "https://app.example"})  # fmt: skip
         assert r.status_code == 200, r.text
-        r = httpx.post(s.url + "/v1/chat/completions", json=body, headers={"Origin": "https://other.example"})
+        r = httpx.post(
+            s.url + "/v1/chat/completions", json=body, headers={"Origin": "https://other.example"}
+        )
         assert r.status_code == 403
 
 

@@ -210,9 +210,7 @@ SMALL = {
 }
 
 
-@pytest.mark.parametrize(
-    "choice", ["required", {"type": "function", "function": {"name": "pick"}}]
-)
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "pick"}}])
 def test_tool_choice_required_or_named_forces_a_valid_call(tmp_path, choice):
     """A real (tiny, random) model answers with exactly one call whose arguments follow the
     function's schema: the tool call is a grammar, applied to draft and verifier."""

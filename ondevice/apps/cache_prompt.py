@@ -30,9 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     system = p.add_mutually_exclusive_group()
     system.add_argument("--system", help="a system prompt")
     system.add_argument("--system-file", metavar="PATH", help="read the system prompt from a file")
-    p.add_argument(
-        "--no-chat-template", action="store_true", help="save the prompt text as it is"
-    )
+    p.add_argument("--no-chat-template", action="store_true", help="save the prompt text as it is")
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="file to write")
     p.set_defaults(func=run)
 
@@ -69,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     prompt = _read(args.prompt_file, "--prompt-file") if args.prompt_file else args.prompt
     system = _read(args.system_file, "--system-file") if args.system_file else args.system
     if prompt is None and system is None:
-        raise OndeviceError("nothing to save: give --prompt, --prompt-file, --system or --system-file.")
+        raise OndeviceError(
+            "nothing to save: give --prompt, --prompt-file, --system or --system-file."
+        )
     out = Path(args.output)
     if not out.parent.is_dir():
         raise OndeviceError(f"-o {out}: the folder {out.parent} does not exist.")

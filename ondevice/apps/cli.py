@@ -14,7 +14,15 @@ from ondevice.errors import OndeviceError
 
 # module (under ondevice.apps) -> its register(subparsers) adds one or more subcommands
 COMMAND_MODULES = (
-    "demo", "generate", "serve", "chat", "pull", "doctor", "bench", "distill", "cache_prompt"
+    "demo",
+    "generate",
+    "serve",
+    "chat",
+    "pull",
+    "doctor",
+    "bench",
+    "distill",
+    "cache_prompt",
 )
 
 

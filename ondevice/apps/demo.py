@@ -100,7 +100,9 @@ def ensure_bundle(pair_name: str | None = None) -> str:
     root.mkdir(parents=True, exist_ok=True)
     context = DRAFT_CONTEXT
     if pair.draft is not None:
-        max_pos = json.loads((pair.draft / "config.json").read_text()).get("max_position_embeddings")
+        max_pos = json.loads((pair.draft / "config.json").read_text()).get(
+            "max_position_embeddings"
+        )
         context = min(DRAFT_CONTEXT, int(max_pos or DRAFT_CONTEXT))
     print(
         f"[ondevice] converting {pair.verifier} + {pair.draft_model or 'the shipped draft'} "

@@ -118,7 +118,7 @@ def _coreml(warnings: list[str]) -> dict[str, Any]:
 
 
 def _native_module(name: str) -> str:
-    """"ok", "missing" or "broken (why)" for one of coremltools' native extension modules.
+    """ "ok", "missing" or "broken (why)" for one of coremltools' native extension modules.
 
     Found by file and opened with dlopen, not imported: importing coremltools on Linux logs a
     warning per missing module, and conversion does not need the prediction module anyway.

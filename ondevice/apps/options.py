@@ -140,8 +140,13 @@ def add_sampling_arguments(p: Any, *, temp: float = 0.0, max_tokens: int = 256) 
         "--min-p", type=float, default=0.0,
         help="keep tokens at least this fraction as likely as the best (default: 0, off)",
     )  # fmt: skip
-    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
-                   help="divide logits of tokens already in the context (default: 1, off)")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="divide logits of tokens already in the context (default: 1, off)",
+    )
     p.add_argument("--presence-penalty", type=float, default=0.0, metavar="P")
     p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F")
     p.add_argument("--seed", type=int, help="sampling seed (same seed, same tokens)")
@@ -192,7 +197,9 @@ def add_request_default_arguments(p: Any) -> None:
 
 def request_defaults(args: argparse.Namespace) -> dict[str, Any]:
     """Request field -> value of the `add_request_default_arguments` flags that were given."""
-    return {f: getattr(args, d) for d, f in REQUEST_DEFAULTS.items() if getattr(args, d) is not None}
+    return {
+        f: getattr(args, d) for d, f in REQUEST_DEFAULTS.items() if getattr(args, d) is not None
+    }
 
 
 def add_method_arguments(p: Any, default: str = "chain") -> None:

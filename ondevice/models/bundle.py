@@ -228,7 +228,9 @@ def verify_files(root: str | Path, manifest: dict[str, Any], mode: Verify = "ful
         if mode == "sample" and is_sampled(size):
             want = entry.get("sample_sha256")
             if want is not None and sample_sha256(f, size) != want:
-                problems.append(f"{rel}: sampled sha256 differs from the manifest (file is corrupted)")
+                problems.append(
+                    f"{rel}: sampled sha256 differs from the manifest (file is corrupted)"
+                )
         elif sha256_file(f) != entry.get("sha256"):
             problems.append(f"{rel}: sha256 differs from the manifest (file is corrupted)")
     return problems

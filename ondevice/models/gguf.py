@@ -62,7 +62,14 @@ MLX_NATIVE_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
 # Expanded by the `gguf` package (its numpy kernels), then requantized with these bits unless
 # the caller wants floats. llama.cpp's Q4_K_M files mix Q4_K, Q6_K and Q5_0/Q8_0.
 REQUANT_BITS = {
-    "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6
+    "Q4_0": 4,
+    "Q4_1": 4,
+    "Q5_0": 5,
+    "Q5_1": 5,
+    "Q8_0": 8,
+    "Q4_K": 4,
+    "Q5_K": 5,
+    "Q6_K": 6,
 }
 SUPPORTED_TYPES = ("F32", "F16", "BF16", *REQUANT_BITS)
 # MLX group size for GGUF tensors: the block size of Q4_0..Q8_0 and the scale groups of Q4_K and
@@ -485,7 +492,9 @@ def _load_dequantized(
     return weights, quant
 
 
-def dequantize_all(weights: dict[str, mx.array], quant: dict[str, Any] | None) -> dict[str, np.ndarray]:
+def dequantize_all(
+    weights: dict[str, mx.array], quant: dict[str, Any] | None
+) -> dict[str, np.ndarray]:
     """Float32 numpy copies of all weights (quantized ones expanded), for converters."""
     from ondevice.models.weights import expand_quantized
 

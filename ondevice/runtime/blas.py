@@ -103,7 +103,9 @@ def enable() -> str | None:
             _enabled = _load_mkl() or _load_openblas()
     except OSError as e:
         # A broken BLAS must not stop the program: MLX's own still works, only slower.
-        print(f"warning: could not load a fast BLAS ({e}); MLX uses its reference BLAS.",
-              file=sys.stderr)
+        print(
+            f"warning: could not load a fast BLAS ({e}); MLX uses its reference BLAS.",
+            file=sys.stderr,
+        )
         return None
     return _enabled
