@@ -156,15 +156,17 @@ def test_dynamic_tree_keeps_the_most_probable_nodes():
 
 
 def test_dynamic_tree_grows_only_as_deep_as_the_costs_pay():
-    """A confident chain: on a CPU-like profile (a pass over 3 tokens costs far more than over
-    2) the draft is not asked for levels the verifier pass could not afford to check; on a
-    flat, GPU-like profile it grows to its full depth."""
+    """A confident chain: where every token adds to the verifier pass (a steep CPU profile) the
+    draft is not asked for levels the pass could not afford to check; where a pass over 3 to 8
+    tokens costs about the same but far more than over 2 (MKL on 2 cores), one more level does
+    not pay but several do, so it grows deep; on a flat, GPU-like profile too."""
     from ondevice.runtime.decoders import _rate
 
-    steep = CostProfile([1, 2, 3, 4], [0.26, 0.28, 0.39, 0.49])  # measured 1.5B, MKL, 2 cores
+    steep = CostProfile([1, 2, 3, 4], [0.26, 0.28, 0.39, 0.49])
+    step = CostProfile([1, 2, 3, 8], [0.198, 0.272, 0.46, 0.516])  # the 1.5B verifier, MKL
     flat = CostProfile([1, 64], [0.26, 0.27])
     grown = {}
-    for name, prof in (("steep", steep), ("flat", flat)):
+    for name, prof in (("steep", steep), ("step", step), ("flat", flat)):
         eng = TreeTableEngine.cycle(sharp=12.0)  # the draft is sure of the cycle
         prop = DraftTreeProposer(
             eng, V, SamplingParams(), mode="dynamic", depth=6, topk=1,
@@ -175,8 +177,9 @@ def test_dynamic_tree_grows_only_as_deep_as_the_costs_pay():
         passes = eng.passes
         tree = prop.propose([5, 6], 8, PositionNoise(0))
         grown[name] = (eng.passes - passes, tree.size)
-    # steep: the catch-up pass only, one draft checked; flat: five expansions, six drafts
-    assert grown == {"steep": (1, 1), "flat": (6, 6)}
+    # (draft passes, drafts verified): steep: the catch-up pass only and one draft; step and
+    # flat: the catch-up and five expansions, six drafts
+    assert grown == {"steep": (1, 1), "step": (6, 6), "flat": (6, 6)}
 
 
 # -- cascade -----------------------------------------------------------------------------------------
@@ -268,6 +271,38 @@ def test_auto_falls_back_to_plain_steps_when_nothing_pays():
     _drive(auto, 40)
     assert auto.score(0) == pytest.approx(1.0) and auto.score(1) < 0.5
     assert weak.calls <= 6  # explored twice, re-checked every 10 rounds
+
+
+def test_auto_charges_a_draft_round_its_own_work_not_the_catch_up_on_others_tokens():
+    """The draft's catch-up on tokens that plain steps committed is a switching cost, not the
+    chain's cost per round: counted as the latter, a chain re-tried after 16 plain steps would
+    look 16 tokens expensive, and plain would keep rounds the chain pays for."""
+    verify = CostProfile([1, 2, 8], [1.0, 1.1, 1.4])
+    pc = CostProfile([1, 64], [0.15, 63.15])  # the draft: 1 s per fed token
+    state = DraftState(TreeTableEngine.cycle(sharp=12.0), V, pc)
+    chain = DraftTreeProposer(state, V, SamplingParams(), mode="dynamic", depth=1, topk=1,
+                              budget=1, name="chain")  # fmt: skip
+    auto = AutoProposer([chain, NoProposal()], verify, [state], explore=1, period=100)
+    seq = [5, 6, 7, 8, 5]
+    auto.reset(seq)  # the draft holds seq[:-1]
+    switching = state.switch_work  # (its prefill happened outside any round)
+
+    def round_(expected: str, accepted: list[int]) -> None:
+        tree = auto.propose(seq, 8, PositionNoise(0))
+        assert auto.last_name == expected
+        auto.observe(seq, tree, accepted, 0, np.zeros(len(tree), int))
+
+    round_("chain", [1])  # explored first: the draft was one token behind (steady)
+    assert state.switch_work == switching and auto.seconds[0] == pytest.approx(pc(1) + verify(2))
+    seq += [6, 7]
+    round_("plain", [])  # explored second
+    seq += [8, 5, 6, 7, 8, 5, 6]  # plain steps commit tokens the draft never sees
+    work = state.work
+    round_("chain", [1])  # the best so far: 9 tokens behind
+    assert state.work - work == pytest.approx(pc(9))  # what the catch-up cost
+    assert state.switch_work - switching == pytest.approx(pc(9) - pc(2))  # of which switching
+    # the round is charged a steady catch-up (2 tokens), not the 9
+    assert auto.seconds[0] == pytest.approx(0.8 * (pc(1) + verify(2)) + 0.2 * (pc(2) + verify(2)))
 
 
 # -- cost profiles ----------------------------------------------------------------------------------

@@ -20,7 +20,10 @@ class AutoProposer:
     `period` rounds the least recently tried other candidate gets one round, so a change in the
     text (a passage to copy, say) is noticed. Seconds are estimated from the cost profiles (the
     verifier's pass over the tree's size plus the draft work the proposer reports), not from the
-    clock, so the choice depends only on accepted counts and a seed gives the same tokens.
+    clock, so the choice depends only on accepted counts and a seed gives the same tokens. A
+    draft's catch-up on tokens other proposers committed is left out of a round's seconds: it is
+    what switching costs once, not what the proposer costs per round, and counting it kept a
+    strong draft from ever winning back the rounds plain steps had taken.
     """
 
     name = "auto"
@@ -73,7 +76,8 @@ class AutoProposer:
         return best
 
     def _draft_work(self) -> float:
-        return sum(d.work for d in self.drafts)
+        """Seconds of draft work so far, switching costs excluded (see the class docstring)."""
+        return sum(d.work - d.switch_work for d in self.drafts)
 
     def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
         self._current = i = self._choose()

@@ -24,6 +24,11 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 # -- the draft model's cache ----------------------------------------------------------------------
 
 
+# Tokens a draft used every round catches up on at the next: the verifier's bonus token, and
+# the last accepted draft when it was never fed (the deepest level is drafted, not expanded).
+STEADY_CATCH_UP = 2
+
+
 class DraftState:
     """A draft engine whose cache is kept in step with the committed sequence.
 
@@ -40,9 +45,12 @@ class DraftState:
         self.last: np.ndarray | None = None  # logits after tokens[-1]
         self.slots: list[int] = []
         self.tree_pass = hasattr(engine, "feed_masked") and hasattr(engine, "keep")
-        # estimated seconds of draft work (from a cost profile, so it is reproducible)
+        # estimated seconds of draft work (from a cost profile, so it is reproducible), and the
+        # part of it spent catching up on tokens committed while no proposer used the draft:
+        # the price of switching to it, which a proposer drafting every round never pays
         self.pass_cost = pass_cost
         self.work = 0.0
+        self.switch_work = 0.0
 
     def reset(self, prompt: Sequence[int]) -> None:
         """Start a generation: the cache catches up on prompt[:-1] (several proposers may share
@@ -88,6 +96,9 @@ class DraftState:
         if n == len(seq) == len(self.tokens) and self.last is not None:
             return self.last
         self.truncate(min(n, len(seq) - 1))
+        behind = len(seq) - len(self.tokens)
+        if behind > STEADY_CATCH_UP and self.pass_cost is not None:
+            self.switch_work += self.pass_cost(behind) - self.pass_cost(STEADY_CATCH_UP)
         return self.feed(seq[len(self.tokens) :])[-1]
 
     def _drop_slots(self) -> None:
@@ -166,10 +177,10 @@ class DraftTreeProposer:
         probabilities along its path, calibrated per depth by the acceptance actually observed
         (a weak draft is overconfident). The verifier then sees the best `budget(values)` nodes
         (a node never scores above its parent, so the best N form a tree). Growth stops early
-        when even an optimistic next level (each frontier node's best child as likely to be
-        accepted as the node itself) would not raise the round's tokens per second, `rate`
-        (values, seconds of drafting so far) -> best tokens per second over the values, after
-        a draft pass of `expand_cost` seconds. Without `rate` every level is grown.
+        when no optimistic guess of the next levels (`_pays_to_grow`) would raise the round's
+        tokens per second, `rate`(values, seconds of drafting so far) -> best tokens per second
+        over the values, each level costing a draft pass of `expand_cost` seconds. Without
+        `rate` every level is grown.
     mode "static": the tree `shape` (rank paths, see tree.py) filled with the draft's ranked
         children, or with i.i.d. draft samples when `sampled` (SpecInfer).
     mode "chain": a static shape of one path of length `budget`.
@@ -275,13 +286,10 @@ class DraftTreeProposer:
             if level == depth or not grown:
                 break
             frontier = sorted(grown, key=lambda n: -value[n])[: self.topk]
-            if self.rate is not None:
-                # a child is never more likely than its parent (up to the depth's calibration)
-                ratio = min(1.0, self.calibration(level + 1) / max(c, 1e-9))
-                now = np.array(value[1:])
-                later = np.concatenate([now, [value[n] * ratio for n in frontier]])
-                if self.rate(later, drafting + self.expand_cost) <= self.rate(now, drafting):
-                    break
+            if self.rate is not None and not self._pays_to_grow(
+                cand, raw, value, frontier, depth - level, drafting
+            ):
+                break
             drafting += self.expand_cost
             for node, row in zip(frontier, self.state.expand(cand, frontier)):
                 dists[node] = self._dist(row, cand, node)
@@ -296,6 +304,32 @@ class DraftTreeProposer:
             pred[min(cand.depths[node], len(pred) - 1)] += raw[node]
         self._depth_pred = pred
         return cand, kept, tree
+
+    def _pays_to_grow(
+        self,
+        cand: TokenTree,
+        raw: list[float],
+        value: list[float],
+        frontier: list[int],
+        levels_left: int,
+        drafting: float,
+    ) -> bool:
+        """Whether growing the tree further can raise the round's tokens per second.
+
+        It looks up to `levels_left` levels ahead, not one: on a CPU a verifier pass can cost
+        much more at 3 tokens than at 2 and hardly more up to 8, so one more level may not pay
+        where several do. The guess is optimistic: below each frontier node a chain whose
+        acceptance falls per level as it fell from the node's parent to the node."""
+        assert self.rate is not None
+        now = np.array(value[1:])
+        best = self.rate(now, drafting)
+        decay = [min(1.0, raw[n] / max(raw[cand.parents[n]], 1e-12)) for n in frontier]
+        guess: list[float] = []
+        for j in range(1, levels_left + 1):
+            guess += [value[n] * q**j for n, q in zip(frontier, decay)]
+            if self.rate(np.concatenate([now, guess]), drafting + j * self.expand_cost) > best:
+                return True
+        return False
 
     def _static(
         self,
