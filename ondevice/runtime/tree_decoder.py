@@ -68,6 +68,10 @@ class TreeDecoder(DecoderBase):
         self.rule = rule or accept.multi_draft
         self._per_method = self.stats.extra.setdefault("rounds_by_method", {})
 
+    def extra_stats(self) -> dict:
+        """Which proposer made how many rounds (auto's choices; one entry for other methods)."""
+        return {"rounds_by_method": dict(self._per_method)}
+
     def prefill_rest(self, prompt: Sequence[int], resume: bool) -> None:
         if resume and self.draft_state is not None:
             engine = self.draft_state.engine
