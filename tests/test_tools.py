@@ -38,8 +38,8 @@ TOOL_TEMPLATE = (
 # -- the parser ----------------------------------------------------------------------------------
 
 
-def _split_feed(text: str, step: int) -> tuple[str, list]:
-    s = ToolCallStream()
+def _split_feed(text: str, step: int, names=()) -> tuple[str, list]:
+    s = ToolCallStream(names)
     content = []
     for i in range(0, len(text), step):
         c, _ = s.feed(text[i : i + step])
@@ -57,6 +57,34 @@ def test_stream_parser_is_independent_of_how_text_arrives(step):
         ("a", {"x": 1}),
         ("get_weather", {"city": "Paris"}),
     ]
+
+
+UNTAGGED = '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_an_untagged_call_of_an_offered_tool_is_a_call(step):
+    """What Qwen2.5-Coder-1.5B-Instruct answers when offered a tool: a fenced JSON call."""
+    bare = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    for text in (UNTAGGED, bare):
+        content, calls = _split_feed(text, step, names={"get_weather"})
+        assert content == ""
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+    # a tool nobody offered, or no tools: the text stays text, whole
+    for names in ({"other"}, ()):
+        assert _split_feed(UNTAGGED, step, names) == (UNTAGGED, [])
+    # tagged calls still work with names given
+    assert _split_feed("Ok." + CALL, step, {"get_weather"})[0] == "Ok."
+
+
+def test_untagged_calls_hold_back_only_answers_that_may_be_one():
+    s = ToolCallStream({"get_weather"})
+    assert s.feed(" Su") == (" Su", []) and s.feed("re") == ("re", [])  # prose passes at once
+    s = ToolCallStream({"get_weather"})
+    assert s.feed("``") == ("", []) and s.feed("`python\nx = 1\n```") == ("", [])
+    assert s.flush() == ("```python\nx = 1\n```", [])  # not a call: released whole at the end
 
 
 def test_stream_parser_holds_back_only_a_possible_tag():
@@ -160,6 +188,23 @@ def test_tool_call_round_trip(server):
     )  # fmt: skip
     assert 'call get_weather{"city": "Paris"}' in rendered and "sunny, 21 C" in rendered
     assert r2.usage.prompt_tokens == len(gen.tokenizer.encode(rendered, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_untagged_call_comes_back_as_tool_calls(server, stream):
+    s, gen, script = server
+    script["text"] = UNTAGGED
+    kw = {"model": gen.model_name, "messages": MESSAGES, "tools": [WEATHER]}
+    if not stream:
+        choice = s.client().chat.completions.create(**kw).choices[0]
+        (call,) = choice.message.tool_calls
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        return
+    chunks = [c for c in s.client().chat.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    (tc,) = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
+    assert tc.function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_tool_calls_stream_as_deltas(server):

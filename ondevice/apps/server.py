@@ -346,7 +346,7 @@ class OpenAIServer:
             created=int(time.time()),
             model=self.model_id,
             tokenizer=self.gen.tokenizer if options.get("logprobs") is not None else None,
-            tools=bool(options.get("tools")),
+            tools=frozenset(t["function"]["name"] for t in options.get("tools") or ()),
         )
         run = self.slot.start(prompt, options)
         if req.stream:

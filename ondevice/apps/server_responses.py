@@ -94,7 +94,8 @@ class Shape:
     created: int
     model: str
     tokenizer: Any = None  # set when the request asked for logprobs
-    tools: bool = False  # the request offered tools: tool calls in the text become tool_calls
+    # the names of the tools the request offered: tool calls in the text become tool_calls
+    tools: frozenset[str] = frozenset()
 
     def _logprobs(self, logprobs: list[Any], offset: int = 0) -> dict[str, Any] | None:
         if self.tokenizer is None:
@@ -132,7 +133,7 @@ class Shape:
         stats = last.stats or {}
         calls: list[ToolCall] = []
         if self.tools:
-            parser = ToolCallStream()
+            parser = ToolCallStream(self.tools)
             head, _ = parser.feed(text)
             tail, _ = parser.flush()
             text, calls = head + tail, parser.calls
@@ -152,7 +153,7 @@ class Shape:
             yield sse(self._envelope([self._choice("", None, True, role=True)], True) | usage_field)
         offset = 0  # characters sent so far (completions' text_offset)
         lps: list[Any] = []
-        parser = ToolCallStream() if self.tools else None
+        parser = ToolCallStream(self.tools) if self.tools else None
         try:
             async for chunks in run.batches():
                 events = []

@@ -6,12 +6,20 @@ calls inside one pair of tags), and Llama 3.x style `"parameters"` is read as `"
 `ToolCallStream` splits streamed text into content and calls: text outside the tags passes
 through at once, except a tail that may still become an opening tag; a call is emitted when its
 closing tag arrives. Text between tags that is not a call stays content, so nothing is lost.
+
+Small models often leave the tags out: Qwen2.5-Coder-1.5B-Instruct, offered a tool, answers with
+the call as a fenced JSON block (```json {"name": ..., "arguments": ...} ```). Given the names
+of the offered tools, an answer that is only such a block (fenced or bare) naming one of them is
+read as the call, as llama.cpp's Hermes parser does; while an answer may still be one (it starts
+with a fence or a brace) its text is held back, and it is released as content if it is not.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,15 +65,49 @@ def parse_calls(body: str) -> list[ToolCall] | None:
     return calls
 
 
-class ToolCallStream:
-    """Feed text pieces; get back (content, calls) as soon as each is certain."""
+FENCED = re.compile(r"^```(?:json)?\s*\n(.*)\n\s*```$", re.DOTALL)
+UNTAGGED_STARTS = ("```", "{", "[")
 
-    def __init__(self) -> None:
+
+def untagged_calls(text: str, names: Collection[str]) -> list[ToolCall] | None:
+    """The calls in an answer that is only a JSON call, fenced or bare, of the tools `names`."""
+    body = text.strip()
+    fenced = FENCED.match(body)
+    calls = parse_calls(fenced.group(1) if fenced else body)
+    if not calls or any(c.name not in names for c in calls):
+        return None
+    return calls
+
+
+class ToolCallStream:
+    """Feed text pieces; get back (content, calls) as soon as each is certain. `names`: the
+    offered tools' names, to read an untagged call (see the module docstring)."""
+
+    def __init__(self, names: Collection[str] = ()) -> None:
         self._buf = ""
         self._inside = False
         self.calls: list[ToolCall] = []
+        self.names = frozenset(names)
+        # None: undecided whether the answer may be an untagged call; then True (held) or False
+        self._untagged: bool | None = None if self.names else False
+        self._held = ""
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self._untagged is not False:
+            self._held += text
+            start = self._held.lstrip()
+            if not start:
+                return "", []
+            if self._untagged is None:
+                self._untagged = any(
+                    start.startswith(s) or s.startswith(start) for s in UNTAGGED_STARTS
+                )
+            if self._untagged:
+                return "", []  # held until the end
+            text, self._held = self._held, ""
+        return self._tagged(text)
+
+    def _tagged(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buf += text
         content, calls = [], []
         while True:
@@ -94,7 +136,17 @@ class ToolCallStream:
         return "".join(content), calls
 
     def flush(self) -> tuple[str, list[ToolCall]]:
-        """At the end: an unclosed call is parsed if it is complete JSON, else kept as text."""
+        """At the end: an untagged call is read from the held answer; an unclosed tagged call
+        is parsed if it is complete JSON, else kept as text."""
+        if self._held:
+            held, self._held, self._untagged = self._held, "", False
+            found = untagged_calls(held, self.names)
+            if found is not None:
+                self.calls += found
+                return "", found
+            head, calls = self._tagged(held)
+            tail, more = self.flush()
+            return head + tail, calls + more
         rest, self._buf = self._buf, ""
         if not self._inside:
             return rest, []
