@@ -345,8 +345,8 @@ def test_truncated_vocabulary_draft_converts_only_its_rows(tmp):
 
     from ondevice.models.config import ModelConfig
     from ondevice.models.weights import build_model
+    from ondevice.runtime.decoders import make_decoder
     from ondevice.runtime.engines import MLXEngine
-    from ondevice.runtime.tree_decoder import make_decoder
     from ondevice.speculative.decoder import SpeculativeDecoder
     from ondevice.speculative.sampling import SamplingParams
 

@@ -29,8 +29,8 @@ def _subparsers():
 def test_choices_are_the_apis():
     from ondevice.api import METHODS as API_METHODS
     from ondevice.models.weights import DTYPES
+    from ondevice.runtime.decoders import METHODS as TREE_METHODS
     from ondevice.runtime.engines import DRAFT_BACKENDS
-    from ondevice.runtime.tree_decoder import METHODS as TREE_METHODS
 
     assert set(options.METHODS) == set(API_METHODS) == set(TREE_METHODS)
     assert set(options.DRAFT_BACKENDS) == set(DRAFT_BACKENDS)

@@ -31,14 +31,6 @@ from ondevice.speculative.tree import TokenTree
 Rule = Callable[..., tuple[list[int], int]]
 
 
-def __getattr__(name: str):  # the factory's old home (tests and scripts import it from here)
-    if name in ("METHODS", "NEEDS_DRAFT", "make_decoder"):
-        from ondevice.runtime import decoders
-
-        return getattr(decoders, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class TreeDecoder(DecoderBase):
     """Drives a tree-capable verifier with any proposer over one prompt."""
 
