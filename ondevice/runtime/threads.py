@@ -8,7 +8,7 @@ objects aborts the whole process ("terminate called without an active exception"
 
 So every thread that may run MLX is started (or registered) here, and at exit the interpreter
 waits until each such thread that has finished is also gone natively. Threads still running at
-exit cannot be waited for; their owners stop them first (see `api._Worker.stop`).
+exit cannot be waited for; their owners stop them first (see `worker.Worker.stop`).
 """
 
 from __future__ import annotations
