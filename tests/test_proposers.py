@@ -273,6 +273,26 @@ def test_auto_falls_back_to_plain_steps_when_nothing_pays():
     assert weak.calls <= 6  # explored twice, re-checked every 10 rounds
 
 
+def test_proposers_of_one_draft_share_what_they_learn_about_its_acceptance():
+    """A chain's rejected rounds make the tree from the same draft less sure too, so auto's
+    tree candidate does not grow deep on the draft's raw confidence in its first rounds."""
+    state = DraftState(TreeTableEngine.cycle(sharp=12.0), V)
+    chain, tree = (
+        DraftTreeProposer(state, V, SamplingParams(), mode="dynamic", depth=d, topk=k, budget=8)
+        for d, k in ((8, 1), (6, 4))
+    )
+    seq = [5, 6, 7, 8, 5]
+    chain.reset(seq)
+    assert tree.calibration(1) == chain.calibration(1) == 1.0  # the prior
+    for _ in range(4):  # the verifier never follows the draft
+        t = chain.propose(seq, 8, PositionNoise(0))
+        chain.observe(seq, t, [], 0, np.zeros(len(t), int))
+        seq.append(0)
+    assert tree.calibration(1) == chain.calibration(1) < 0.25
+    lone = DraftTreeProposer(DraftState(TreeTableEngine.cycle(), V), V, SamplingParams())
+    assert lone.calibration(1) == 1.0  # another draft state learns on its own
+
+
 def test_auto_charges_a_draft_round_its_own_work_not_the_catch_up_on_others_tokens():
     """The draft's catch-up on tokens that plain steps committed is a switching cost, not the
     chain's cost per round: counted as the latter, a chain re-tried after 16 plain steps would

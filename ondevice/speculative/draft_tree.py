@@ -51,6 +51,18 @@ class DraftState:
         self.pass_cost = pass_cost
         self.work = 0.0
         self.switch_work = 0.0
+        self._calibration: tuple[np.ndarray, np.ndarray] | None = None
+
+    def calibration(self, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per depth, the summed predicted acceptance of verified nodes and the rounds that
+        accepted that deep (prior: one round of perfect calibration). One pair of arrays for
+        every proposer growing trees from this draft, updated in place: they all measure how
+        far the verifier follows this draft, so auto's candidates learn from each other's
+        rounds instead of each paying for its own optimistic first guesses. Depths beyond the
+        arrays' length share the last entry."""
+        if self._calibration is None:
+            self._calibration = (np.ones(max(size, 18)), np.ones(max(size, 18)))
+        return self._calibration
 
     def reset(self, prompt: Sequence[int]) -> None:
         """Start a generation: the cache catches up on prompt[:-1] (several proposers may share
@@ -220,10 +232,8 @@ class DraftTreeProposer:
         self.shape = check_shape(shape)
         self.sampled = sampled and not params.greedy
         self.expand_cost, self.rate = expand_cost, rate
-        # per depth: summed predicted acceptance of the verified nodes, and rounds that accepted
-        # that deep (prior: one round of perfect calibration)
-        self.predicted = np.ones(depth + 2)
-        self.realised = np.ones(depth + 2)
+        # how well the draft's probabilities predict acceptance, per depth (shared: see there)
+        self.predicted, self.realised = self.state.calibration(depth + 2)
         self._cand: TokenTree | None = None
         self._kept: list[int] = []
         self._depth_pred: np.ndarray | None = None
