@@ -21,6 +21,7 @@ from ondevice.results import Chunk, GenerationResult
 from ondevice.runtime.decoders import METHODS as METHODS
 from ondevice.runtime.decoders import check_method, make_decoder
 from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engine
+from ondevice.runtime.placement import Placement, place_draft
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
 from ondevice.speculative.sampling import Grammar, SamplingParams, Transform
 from ondevice.streaming import decode_chunks
@@ -66,6 +67,8 @@ class Generator:
         self.verifier = MLXEngine(pair.verifier.model)
         self.context_length = self.verifier.context_length
         self.draft = None
+        # where `auto` put the draft when it could choose (Core ML and MLX both run: a Mac)
+        self.placement: Placement | None = None
         if pair.draft is not None or pair.mlpackage is not None:
             self.draft = make_draft_engine(
                 draft_backend,
@@ -73,6 +76,10 @@ class Generator:
                 mlpackage=pair.mlpackage,
                 context_length=pair.draft_context,
             )
+            if draft_backend == "auto" and self.draft.name == "coreml" and pair.draft:
+                mlx = MLXEngine(pair.draft.model, pair.draft_context)
+                engines = {"coreml": self.draft, "mlx": mlx}
+                self.draft, self.placement = place_draft(self.verifier, engines)
         self.draft_backend = self.draft.name if self.draft is not None else None
         self._lock = threading.Lock()  # one generation at a time per loaded model
         # The model's generation thread: every generation runs there, so the KV caches (whose
@@ -363,7 +370,11 @@ class Generator:
     def _decoder(self, params, seed, num_draft_tokens, speculative, method, pipeline):
         check_method(method)  # also when speculative=False, which decodes plainly
         if pipeline is None:
-            pipeline = self.draft_backend in PIPELINE_BY_DEFAULT
+            pipeline = (
+                self.placement.pipelined
+                if self.placement is not None
+                else self.draft_backend in PIPELINE_BY_DEFAULT
+            )
         return make_decoder(
             method if speculative else "chain",
             self.verifier,

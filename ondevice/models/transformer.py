@@ -175,9 +175,8 @@ class Model(nn.Module):
         *,
         positions: mx.array | None = None,
         mask: mx.array | None = None,
-        return_hidden: bool = False,
         last_only: bool = False,
-    ) -> mx.array | tuple[mx.array, mx.array]:
+    ) -> mx.array:
         """Logits (B, L, vocab) for `tokens`, appended to `cache` if given.
 
         positions: per-token positions, shape (L,) or (B, L); default: the next L positions
@@ -185,7 +184,6 @@ class Model(nn.Module):
         mask: additive attention mask over the new tokens, shape (L, L), or over the whole
             context, shape (L, cache_len + L) (or broadcastable with a leading (B, heads));
             default: causal.
-        return_hidden: also return the final hidden states (after the last norm), (B, L, D).
         last_only: compute logits for the last position only (prefill needs no more).
         """
         if tokens.ndim == 1:
@@ -208,7 +206,7 @@ class Model(nn.Module):
             logits = self.model.embed_tokens.as_linear(h)
         else:
             logits = self.lm_head(h)
-        return (logits, h) if return_hidden else logits
+        return logits
 
 
 def _head_rows(layer: nn.Module, h: mx.array, rows: int) -> mx.array:
@@ -235,9 +233,3 @@ def _attention_mask(mask: mx.array | None, L: int, prefix: int, dtype) -> mx.arr
         zeros = mx.zeros((*mask.shape[:-1], prefix), dtype)
         mask = mx.concatenate([zeros, mask], axis=-1)
     return mask
-
-
-def causal_mask(L: int) -> mx.array:
-    """Additive causal mask over L new tokens (0 where visible, -inf elsewhere)."""
-    i = mx.arange(L)
-    return mx.where(i[:, None] >= i[None], 0.0, -mx.inf)
