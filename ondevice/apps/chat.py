@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import queue
+import signal
 import sys
 
 from ondevice.apps.chat_controller import ChatController, ChatState, Settings
@@ -66,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
         raise OndeviceError(ctrl.error or "the model could not be loaded.")
     options.apply_chat_template_option(ctrl._gen, args.chat_template)
     ctrl.drain()
+    # Ctrl-C is how an answer is stopped: make it raise KeyboardInterrupt even when the chat was
+    # started from a context that ignores SIGINT (a background job of a script inherits SIG_IGN,
+    # and Python then installs no handler of its own)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     return TerminalChat(ctrl).loop()
 
 
