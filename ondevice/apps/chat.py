@@ -80,7 +80,6 @@ class TerminalChat:
     def __init__(self, ctrl: ChatController, out=None) -> None:  # type: ignore[no-untyped-def]
         self.ctrl = ctrl
         self.out = out or sys.stdout
-        ctrl.max_pending = 32  # Ctrl-C stops the answer near where the screen is
 
     def say(self, text: str = "", end: str = "\n") -> None:
         self.out.write(text + end)

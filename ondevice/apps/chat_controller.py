@@ -113,10 +113,6 @@ class ChatController:
         self._state = ChatState.IDLE
         self._live: _Live | None = None
         self._stop = threading.Event()
-        # A UI that shows text as it drains `events` may bound how far the answer runs ahead of
-        # it (None: unbounded), so that a stop takes effect where the reader is, not after an
-        # answer that was already written in full while the screen caught up.
-        self.max_pending: int | None = None
         self._worker: threading.Thread | None = None
         self._mutex = threading.Lock()  # guards state changes between UI and worker threads
         if self.history_path is not None:
@@ -324,7 +320,6 @@ class ChatController:
                     live.tokens += len(chunk.tokens)
                     live.from_draft += len(chunk.tokens) if chunk.from_draft else 0
                     if chunk.text:
-                        self._wait_for_reader()
                         self.answer += chunk.text
                         self.events.put(ChatEvent("text", text=chunk.text))
                     if chunk.stats is not None:
@@ -338,14 +333,6 @@ class ChatController:
         self.last_stats = stats if stats is not None else {**live.stats(), "stopped": True}
         self.save()
         self.events.put(ChatEvent("done", stats=self.last_stats, stopped=stopped))
-
-    def _wait_for_reader(self) -> None:
-        while (
-            self.max_pending is not None
-            and self.events.qsize() > self.max_pending
-            and not self._stop.is_set()
-        ):
-            time.sleep(0.002)
 
     def _close_turn(self) -> None:
         """Keep user and assistant turns alternating: a question that got no answer at all
