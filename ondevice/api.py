@@ -77,7 +77,10 @@ class Generator:
                 context_length=pair.draft_context,
             )
             if draft_backend == "auto" and self.draft.name == "coreml" and pair.draft:
-                mlx = MLXEngine(pair.draft.model, pair.draft_context)
+                mlx = make_draft_engine(
+                    "mlx", mlx_model=pair.draft.model, mlpackage=None,
+                    context_length=pair.draft_context,
+                )  # fmt: skip
                 engines = {"coreml": self.draft, "mlx": mlx}
                 self.draft, self.placement = place_draft(self.verifier, engines)
         self.draft_backend = self.draft.name if self.draft is not None else None
