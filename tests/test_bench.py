@@ -134,6 +134,41 @@ def test_peers_mlx_lm(pair, prompts, tmp_path):
     assert png_size(plot)[0] >= 800
 
 
+def test_mlx_lm_at_each_fixed_k_and_the_pipeline(pair, prompts, tmp_path, capsys):
+    """--peer-draft-tokens runs mlx-lm's speculative decoding once per K (the best one named in
+    the summary); "pipeline" is the chain with pipeline=True, lossless like every method."""
+    pytest.importorskip("mlx_lm")
+    out = tmp_path / "r.json"
+    args = ("--peers", "mlx-lm", "--peer-draft-tokens", "1,4", "--methods", "chain,pipeline")
+    assert bench(pair, prompts, out, *args, "--no-plot") == 0
+    r = json.loads(out.read_text())
+    runs = ["plain", "chain", "pipeline", "mlx-lm", "mlx-lm-spec:1", "mlx-lm-spec:4"]
+    assert r["settings"]["methods"] == runs
+    for k in (1, 4):
+        recs = [x for x in r["records"] if x["method"] == f"mlx-lm-spec:{k}"]
+        assert len(recs) == 4 and all(x["num_draft_tokens"] == k for x in recs)
+        assert all(x["matches_reference"] is True and x["reference"] == "mlx-lm" for x in recs)
+        # a round drafts at most K tokens
+        assert all(x["drafted"] <= k * x["rounds"] for x in recs)
+    pipe = [x for x in r["records"] if x["method"] == "pipeline"]
+    assert pipe and all(x["matches_reference"] is True and x["drafted"] > 0 for x in pipe)
+    s = r["summary"]
+    tps = {m: r["aggregates"][m]["all"]["tokens_per_second"] for m in runs}
+    assert s["mlx_lm_spec_best"] == max(("mlx-lm-spec:1", "mlx-lm-spec:4"), key=tps.get)
+    best = tps[s["mlx_lm_spec_best"]]
+    assert s["over_mlx_lm_spec_best"]["pipeline"] == pytest.approx(tps["pipeline"] / best)
+    assert "mlx-lm-spec:1" not in s["over_mlx_lm_spec_best"]
+    assert (
+        f"against mlx-lm's best speculative run ({s['mlx_lm_spec_best']})"
+        in capsys.readouterr().out
+    )
+
+
+def test_peer_draft_tokens_needs_the_peer(pair, prompts, tmp_path, capsys):
+    assert bench(pair, prompts, tmp_path / "r.json", "--peer-draft-tokens", "3") == 1
+    assert "--peer-draft-tokens needs --peers mlx-lm" in capsys.readouterr().err
+
+
 def test_mismatch_is_flagged(pair, prompts, tmp_path, capsys, monkeypatch):
     from ondevice.speedtest.runner import Bench
 

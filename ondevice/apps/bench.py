@@ -20,6 +20,13 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 2,3,5, got {text!r}") from None
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = options.add_command(sub, "bench", HELP, DESCRIPTION)
     src = p.add_argument_group("models (default: the catalog's default pair)")
@@ -49,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=_csv,
         default=["chain"],
         metavar="M,...",
-        help="methods besides plain (always run): chain (default), tree, pld, ...",
+        help="methods besides plain (always run): chain (default), pipeline (the chain with "
+        "drafting overlapped with verification), tree, pld, lookahead, cascade, auto",
     )
     g.add_argument("--num-draft-tokens", type=int, metavar="K", help="fixed K (default: adaptive)")
     g.add_argument(
@@ -58,6 +66,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="mlx-lm",
         help="also run these implementations on the same weights (mlx-lm)",
+    )
+    g.add_argument(
+        "--peer-draft-tokens",
+        type=_ints,
+        default=[],
+        metavar="K,...",
+        help="run mlx-lm's speculative decoding once per fixed K (e.g. 2,3,5; mlx-lm's default "
+        "is 3) instead of once at ondevice's mean K",
     )
     g.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
     out = p.add_argument_group("output")
@@ -83,6 +99,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise OndeviceError(f"--temp must be >= 0, got {args.temp}.")
     if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
         raise OndeviceError(f"--num-draft-tokens must be 1 or more, got {args.num_draft_tokens}.")
+    if any(k < 1 for k in args.peer_draft_tokens):
+        raise OndeviceError(f"--peer-draft-tokens must be 1 or more, got {args.peer_draft_tokens}.")
+    if args.peer_draft_tokens and "mlx-lm" not in args.peers:
+        raise OndeviceError("--peer-draft-tokens needs --peers mlx-lm.")
     unknown = [x for x in args.peers if x != "mlx-lm"]
     if unknown:
         raise OndeviceError(f"unknown peer {unknown[0]!r}; the known peer is mlx-lm.")
@@ -138,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         methods=tuple(args.methods),
         num_draft_tokens=args.num_draft_tokens,
         peers=tuple(dict.fromkeys(args.peers)),
+        peer_draft_tokens=tuple(args.peer_draft_tokens),
         warmup=not args.no_warmup,
     )
     settings = {
@@ -153,6 +174,12 @@ def run(args: argparse.Namespace) -> int:
     results = run_bench(gen, prompts, options, settings, progress=not args.quiet)
     write_json(args.out, results)
     print(table(results))
+    best = results["summary"].get("mlx_lm_spec_best")
+    if best:
+        ratios = ", ".join(
+            f"{m} {r:.2f}x" for m, r in results["summary"]["over_mlx_lm_spec_best"].items()
+        )
+        print(f"\nagainst mlx-lm's best speculative run ({best}): {ratios}")
     written = [str(args.out)]
     if not args.no_plot:
         png = args.plot or args.out.with_suffix(".png")

@@ -94,6 +94,7 @@ def run_bench(
         "records": records,
     }
     if bench.peer is not None:
+        results["settings"]["peer_draft_tokens"] = list(options.peer_draft_tokens)
         results["settings"]["peer_weights"] = (
             "ondevice's loaded weights, saved with save_model and loaded by mlx_lm.utils.load_model"
         )
@@ -162,4 +163,14 @@ def _summary(results: dict[str, Any]) -> None:
         summary["chain_over_mlx_lm_spec"] = tps("chain") / tps("mlx-lm-spec")
     if tps("mlx-lm-spec") and tps("mlx-lm"):
         summary["mlx_lm_spec_over_mlx_lm_plain"] = tps("mlx-lm-spec") / tps("mlx-lm")
+    # mlx-lm's speculative decoding at its best fixed K, and each ondevice method against it
+    spec = {m: tps(m) for m in agg if m.startswith("mlx-lm-spec") and tps(m)}
+    if spec:
+        best = max(spec, key=lambda m: spec[m])
+        summary["mlx_lm_spec_best"] = best
+        summary["over_mlx_lm_spec_best"] = {
+            m: tps(m) / spec[best]
+            for m in agg
+            if not m.startswith("mlx-lm") and m != "plain" and tps(m)
+        }
     results["summary"] = summary

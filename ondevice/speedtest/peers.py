@@ -20,10 +20,20 @@ PEERS = ("mlx-lm",)
 Steps = Iterator[tuple[list[int], list[bool]]]
 
 
-class MlxLmPeer:
-    """mlx_lm's plain ("mlx-lm") and speculative ("mlx-lm-spec") generation."""
+SPEC = "mlx-lm-spec"
 
-    def __init__(self, verifier_model, draft_model=None) -> None:
+
+def spec_k(method: str) -> int | None:
+    """K of an "mlx-lm-spec:K" run (None for "mlx-lm-spec", whose K the runner chooses)."""
+    _, _, k = method.partition(":")
+    return int(k) if k else None
+
+
+class MlxLmPeer:
+    """mlx_lm's plain ("mlx-lm") and speculative ("mlx-lm-spec") generation; with `ks`, one
+    speculative run per fixed K ("mlx-lm-spec:3", "mlx-lm-spec:5", ...) instead."""
+
+    def __init__(self, verifier_model, draft_model=None, ks: Sequence[int] = ()) -> None:
         try:
             from mlx_lm.generate import generate_step, speculative_generate_step
             from mlx_lm.utils import load_model
@@ -35,6 +45,7 @@ class MlxLmPeer:
 
         self._plain_step = generate_step
         self._spec_step = speculative_generate_step
+        self.ks = tuple(dict.fromkeys(ks))
         with tempfile.TemporaryDirectory(prefix="ondevice-bench-") as tmp:
             self.model = _load(save_model, load_model, verifier_model, Path(tmp) / "verifier")
             self.draft = (
@@ -45,7 +56,9 @@ class MlxLmPeer:
 
     @property
     def methods(self) -> list[str]:
-        return ["mlx-lm", "mlx-lm-spec"] if self.draft is not None else ["mlx-lm"]
+        if self.draft is None:
+            return ["mlx-lm"]
+        return ["mlx-lm", *([f"{SPEC}:{k}" for k in self.ks] or [SPEC])]
 
     def steps(
         self,
@@ -71,14 +84,14 @@ class MlxLmPeer:
                     prompt, self.model, max_tokens=max_tokens, sampler=sampler
                 )
             )
-        elif method == "mlx-lm-spec" and self.draft is not None:
+        elif method.startswith(SPEC) and self.draft is not None:
             it = (
                 (t, d)
                 for t, _, d in self._spec_step(
                     prompt,
                     self.model,
                     self.draft,
-                    num_draft_tokens=num_draft_tokens,
+                    num_draft_tokens=spec_k(method) or num_draft_tokens,
                     max_tokens=max_tokens,
                     sampler=sampler,
                 )

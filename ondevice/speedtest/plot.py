@@ -17,12 +17,14 @@ PLAIN_COLOR = "#8c8c8c"
 
 def _colors(methods: list[str]) -> dict[str, str]:
     """Each ondevice method its own colour; a peer takes the colour of its ondevice counterpart
-    (mlx-lm: plain, mlx-lm-spec: chain) and is told apart by hatching."""
+    (mlx-lm: plain, mlx-lm-spec: chain; each fixed K its own) and is told apart by hatching."""
     out = {"plain": PLAIN_COLOR}
     ours = [m for m in methods if m != "plain" and not m.startswith("mlx-lm")]
     out.update({m: PALETTE[i % len(PALETTE)] for i, m in enumerate(ours)})
     out["mlx-lm"] = PLAIN_COLOR
     out["mlx-lm-spec"] = out.get("chain", PALETTE[0])
+    fixed_k = [m for m in methods if m.startswith("mlx-lm-spec:")]  # one colour per K
+    out.update({m: PALETTE[(len(ours) + i) % len(PALETTE)] for i, m in enumerate(fixed_k)})
     return out
 
 

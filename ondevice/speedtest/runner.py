@@ -20,11 +20,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ondevice.errors import OndeviceError
-from ondevice.speedtest.peers import MlxLmPeer, Steps, mlx_lm_rounds
+from ondevice.speedtest.peers import SPEC, MlxLmPeer, Steps, mlx_lm_rounds, spec_k
 from ondevice.speedtest.prompts import BenchPrompt
 
 # Methods that need a draft model; the others (prompt lookup, lookahead) work without one.
-DRAFT_METHODS = ("chain", "tree", "cascade")
+# "pipeline" is the chain with drafting overlapped with verification (`pipeline=True`), so the
+# two schedules can be compared on the same prompts; "chain" runs what the placement chose.
+DRAFT_METHODS = ("chain", "pipeline", "tree", "cascade")
 WARMUP_TOKENS = 8
 
 
@@ -36,6 +38,7 @@ class BenchOptions:
     methods: tuple[str, ...] = ("chain",)  # besides "plain", which always runs first
     num_draft_tokens: int | None = None  # None: the runtime chooses
     peers: tuple[str, ...] = ()
+    peer_draft_tokens: tuple[int, ...] = ()  # mlx-lm's speculative decoding at each fixed K
     warmup: bool = True
 
 
@@ -63,7 +66,7 @@ def method_runs(gen: Any, options: BenchOptions) -> list[str]:
                 f"method {needs[0]!r} needs a draft model: pass --draft D, or --model with a "
                 "pair bundle (which brings its own draft)."
             )
-    others = [m for m in runs if m not in ("plain", "chain")]
+    others = [m for m in runs if m not in ("plain", "chain", "pipeline")]
     if others and "method" not in inspect.signature(gen.stream).parameters:
         raise OndeviceError(
             f"method {others[0]!r} is not available in this ondevice build (its generate() has "
@@ -87,7 +90,9 @@ class Bench:
         for peer in options.peers:
             if peer != "mlx-lm":
                 raise OndeviceError(f"unknown peer {peer!r}; the known peer is mlx-lm.")
-            self.peer = MlxLmPeer(gen.verifier.model, draft_mlx_model(gen))
+            self.peer = MlxLmPeer(
+                gen.verifier.model, draft_mlx_model(gen), options.peer_draft_tokens
+            )
             self.runs += self.peer.methods
 
     # -- one run ------------------------------------------------------------------------------
@@ -101,7 +106,9 @@ class Bench:
             kwargs["speculative"] = False
         else:
             kwargs["num_draft_tokens"] = o.num_draft_tokens
-            if method != "chain":
+            if method == "pipeline":
+                kwargs["pipeline"] = True
+            elif method != "chain":
                 kwargs["method"] = method
         for chunk in self.gen.stream(ids, **kwargs):
             if chunk.stats is not None:
@@ -168,14 +175,14 @@ class Bench:
         }
         if method.startswith("mlx-lm"):
             accepted = sum(flags)
-            rounds, drafted = (
-                mlx_lm_rounds(flags, max_tokens, k) if method == "mlx-lm-spec" else (n, 0)
-            )
+            spec = method.startswith(SPEC)
+            k = spec_k(method) or k
+            rounds, drafted = mlx_lm_rounds(flags, max_tokens, k) if spec else (n, 0)
             rec.update(
                 rounds=rounds,
                 drafted=drafted,
                 accepted=accepted,
-                num_draft_tokens=k if method == "mlx-lm-spec" else None,
+                num_draft_tokens=k if spec else None,
                 time_draft_s=None,
                 time_verify_s=None,
             )
@@ -193,7 +200,9 @@ class Bench:
         # What this method alone needs: the weights it uses plus its working memory. The MLX
         # peak itself counts every model loaded in the process (peers' copies included).
         # (prompt lookup and lookahead draft without a model; "auto" may pick either kind)
-        uses_draft = method in ("mlx-lm-spec", *DRAFT_METHODS) or (method == "auto" and d > 0)
+        uses_draft = (
+            method in DRAFT_METHODS or method.startswith(SPEC) or (method == "auto" and d > 0)
+        )
         rec["memory_bytes"] = (
             self.verifier_bytes
             + (self.draft_bytes if uses_draft else 0)
@@ -253,7 +262,7 @@ def _check_against_plain(records: Sequence[dict], by_method: dict[str, dict], te
     mlx-lm's speculative to mlx-lm's plain, and mlx-lm's plain to ondevice's (same weights)."""
     for rec in records:
         m = rec["method"]
-        ref = {"plain": None, "mlx-lm-spec": "mlx-lm"}.get(m, "plain")
+        ref = None if m == "plain" else "mlx-lm" if m.startswith(SPEC) else "plain"
         if ref is None or temp > 0 or ref not in by_method:
             rec["reference"], rec["matches_reference"], rec["first_mismatch"] = None, None, None
             continue
