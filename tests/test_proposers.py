@@ -273,6 +273,39 @@ def test_auto_falls_back_to_plain_steps_when_nothing_pays():
     assert weak.calls <= 6  # explored twice, re-checked every 10 rounds
 
 
+def test_auto_rechecks_a_loser_less_often_each_time_it_loses_again():
+    """A candidate that keeps losing is re-checked after 10, 20, 40, 80, 80... rounds of the
+    others, not after every 10: over 400 rounds that is 6 re-checks instead of 36."""
+    steep = CostProfile([1, 2], [1.0, 2.0])
+    weak = _Fixed("tree", 6, 1)
+    auto = AutoProposer([NoProposal(), weak], steep, explore=2, period=10, max_backoff=8)
+    auto.reset([1])
+    picks = []
+    for _ in range(400):
+        _drive(auto, 1)
+        picks.append(auto.last_name)
+    rechecks = [r for r, name in enumerate(picks) if name == "tree"][2:]
+    assert len(rechecks) == 6
+    gaps = np.diff(rechecks) - 1  # rounds of the others in between
+    assert list(gaps[:3]) == [20, 40, 80] and set(gaps[3:]) == {80}  # doubling, capped
+
+
+def test_auto_takes_up_a_loser_again_as_soon_as_a_recheck_wins():
+    """The text changes (say, a passage to copy appears): the re-check that finds the candidate
+    winning makes it the choice, and its wait is back to `period`."""
+    steep = CostProfile([1, 2, 8], [1.0, 2.0, 2.5])
+    later = _Fixed("pld", 6, 0)  # useless at first
+    auto = AutoProposer([NoProposal(), later], steep, explore=1, period=10, max_backoff=8)
+    auto.reset([1])
+    _drive(auto, 200)
+    calls = later.calls
+    assert calls <= 8 and auto.wait[1] == 80
+    later.good = 6  # now it copies whole passages: 7 tokens for 2.5 s against 1 for 1 s
+    _drive(auto, 100)
+    assert later.calls - calls >= 100 - 80 - 1  # found within one wait, then kept
+    assert auto.wait[1] == 10 and auto.score(1) > auto.score(0)
+
+
 def test_proposers_of_one_draft_share_what_they_learn_about_its_acceptance():
     """A chain's rejected rounds make the tree from the same draft less sure too, so auto's
     tree candidate does not grow deep on the draft's raw confidence in its first rounds."""
@@ -321,8 +354,10 @@ def test_auto_charges_a_draft_round_its_own_work_not_the_catch_up_on_others_toke
     round_("chain", [1])  # the best so far: 9 tokens behind
     assert state.work - work == pytest.approx(pc(9))  # what the catch-up cost
     assert state.switch_work - switching == pytest.approx(pc(9) - pc(2))  # of which switching
-    # the round is charged a steady catch-up (2 tokens), not the 9
-    assert auto.seconds[0] == pytest.approx(0.8 * (pc(1) + verify(2)) + 0.2 * (pc(2) + verify(2)))
+    # the round is charged a steady catch-up (2 tokens), not the 9 (the average is over rounds:
+    # the first try is two rounds old)
+    a = 0.8**2
+    assert auto.seconds[0] == pytest.approx(a * (pc(1) + verify(2)) + (1 - a) * (pc(2) + verify(2)))
 
 
 # -- cost profiles ----------------------------------------------------------------------------------

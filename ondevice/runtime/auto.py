@@ -16,14 +16,21 @@ class AutoProposer:
     """Picks a proposer per round by measured acceptance and estimated cost.
 
     Each candidate is tried `explore` rounds; afterwards the one with the best tokens per second
-    (an exponential average of tokens per round over seconds per round) proposes, and every
-    `period` rounds the least recently tried other candidate gets one round, so a change in the
-    text (a passage to copy, say) is noticed. Seconds are estimated from the cost profiles (the
-    verifier's pass over the tree's size plus the draft work the proposer reports), not from the
-    clock, so the choice depends only on accepted counts and a seed gives the same tokens. A
-    draft's catch-up on tokens other proposers committed is left out of a round's seconds: it is
-    what switching costs once, not what the proposer costs per round, and counting it kept a
-    strong draft from ever winning back the rounds plain steps had taken.
+    (tokens per round over seconds per round, each an exponential average over rounds, so a
+    score last updated long ago counts for little against a fresh try) proposes. A losing
+    candidate gets one round again after `period` rounds of the others (at most one such
+    re-check per `period` rounds, the least recently tried first), so a change in the text (a
+    passage to copy, say) is noticed; each re-check it loses doubles its wait, up to
+    `period * max_backoff`, and one it wins resets it. Where the verifier keeps disagreeing with
+    the draft, every re-check of a draft method is a round slower than a plain step, and on
+    long answers those rounds added up.
+
+    Seconds are estimated from the cost profiles (the verifier's pass over the tree's size plus
+    the draft work the proposer reports), not from the clock, so the choice depends only on
+    accepted counts and a seed gives the same tokens. A draft's catch-up on tokens other
+    proposers committed is left out of a round's seconds: it is what switching costs once, not
+    what the proposer costs per round, and counting it kept a strong draft from ever winning
+    back the rounds plain steps had taken.
     """
 
     name = "auto"
@@ -36,6 +43,7 @@ class AutoProposer:
         *,
         explore: int = 2,
         period: int = 16,
+        max_backoff: int = 8,
         decay: float = 0.8,
     ):
         if not proposers:
@@ -44,6 +52,7 @@ class AutoProposer:
         self.verify_cost = verify_cost
         self.drafts = list(drafts)
         self.explore, self.period, self.decay = explore, period, decay
+        self.max_backoff = max_backoff
         self._reset_scores()
 
     def _reset_scores(self) -> None:
@@ -53,6 +62,9 @@ class AutoProposer:
         self.tokens = [0.0] * n
         self.seconds = [0.0] * n
         self.round = 0
+        self.wait = [self.period] * n  # rounds before a losing candidate is re-checked
+        self._best = 0
+        self._last_check = 0  # the round of the last re-check (exploration counts as one)
         self._current = 0
         self._work = 0.0
         self.last_name = self.proposers[0].name
@@ -70,10 +82,14 @@ class AutoProposer:
         for i in range(n):
             if self.tried[i] < self.explore:
                 return i
-        best = max(range(n), key=self.score)
-        if n > 1 and self.round % self.period == 0:
-            return min((i for i in range(n) if i != best), key=lambda i: self.last_tried[i])
-        return best
+        self._best = best = max(range(n), key=self.score)
+        if self.round - self._last_check < self.period:  # at most one re-check per period
+            return best
+        due = [i for i in range(n) if i != best and self.round - self.last_tried[i] >= self.wait[i]]
+        if not due:
+            return best
+        self._last_check = self.round
+        return min(due, key=lambda i: self.last_tried[i])
 
     def _draft_work(self) -> float:
         """Seconds of draft work so far, switching costs excluded (see the class docstring)."""
@@ -89,9 +105,16 @@ class AutoProposer:
         i = self._current
         self.proposers[i].observe(seq, tree, path, token, target)
         secs = float(self.verify_cost(len(tree))) + self._draft_work() - self._work
-        a = self.decay if self.tried[i] else 0.0
+        # an average over rounds, not over tries: what a re-check finds outweighs a score last
+        # updated many rounds ago (the text may have changed since)
+        a = self.decay ** (self.round + 1 - self.last_tried[i]) if self.tried[i] else 0.0
         self.tokens[i] = a * self.tokens[i] + (1 - a) * (len(path) + 1)
         self.seconds[i] = a * self.seconds[i] + (1 - a) * secs
+        if self.tried[i] >= self.explore and i != self._best:  # a re-check: did it win?
+            won = self.score(i) > self.score(self._best)
+            self.wait[i] = (
+                self.period if won else min(2 * self.wait[i], self.period * self.max_backoff)
+            )
         self.tried[i] += 1
         self.round += 1
         self.last_tried[i] = self.round

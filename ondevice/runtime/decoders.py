@@ -135,7 +135,7 @@ class _Proposers:
             self.state, self.vocab, self.params, mode="dynamic", depth=self.k or 8, topk=1,
             budget=_budget(vprof, fixed),
             expand_cost=float(dprof(1)) if dprof else 0.0,
-            rate=_rate(vprof, fixed),
+            rate=_rate(vprof, fixed), name="chain",
         )  # fmt: skip
 
     def pld(self) -> PromptLookup:
