@@ -139,10 +139,10 @@ def test_mlx_lm_at_each_fixed_k_and_the_pipeline(pair, prompts, tmp_path, capsys
     the summary); "pipeline" is the chain with pipeline=True, lossless like every method."""
     pytest.importorskip("mlx_lm")
     out = tmp_path / "r.json"
-    args = ("--peers", "mlx-lm", "--peer-draft-tokens", "1,4", "--methods", "chain,pipeline")
+    args = ("--peers", "mlx-lm", "--peer-draft-tokens", "1,4", "--methods", "chain,pipeline,auto")
     assert bench(pair, prompts, out, *args, "--no-plot") == 0
     r = json.loads(out.read_text())
-    runs = ["plain", "chain", "pipeline", "mlx-lm", "mlx-lm-spec:1", "mlx-lm-spec:4"]
+    runs = ["plain", "chain", "pipeline", "auto", "mlx-lm", "mlx-lm-spec:1", "mlx-lm-spec:4"]
     assert r["settings"]["methods"] == runs
     for k in (1, 4):
         recs = [x for x in r["records"] if x["method"] == f"mlx-lm-spec:{k}"]
@@ -150,6 +150,10 @@ def test_mlx_lm_at_each_fixed_k_and_the_pipeline(pair, prompts, tmp_path, capsys
         assert all(x["matches_reference"] is True and x["reference"] == "mlx-lm" for x in recs)
         # a round drafts at most K tokens
         assert all(x["drafted"] <= k * x["rounds"] for x in recs)
+    chain = [x for x in r["records"] if x["method"] == "chain"]
+    assert all(x["rounds_by_method"] is None for x in chain)  # not a tree decoder
+    for x in (x for x in r["records"] if x["method"] == "auto"):  # which proposer, how often
+        assert sum(x["rounds_by_method"].values()) == x["rounds"]
     pipe = [x for x in r["records"] if x["method"] == "pipeline"]
     assert pipe and all(x["matches_reference"] is True and x["drafted"] > 0 for x in pipe)
     s = r["summary"]

@@ -195,6 +195,7 @@ class Bench:
                 time_draft_s=stats.get("time_draft_s"),
                 time_verify_s=stats.get("time_verify_s"),
                 draft_backend=stats.get("draft_backend"),
+                rounds_by_method=stats.get("rounds_by_method"),  # auto's choices, per proposer
             )
         d, a, r = rec["drafted"], rec["accepted"], rec["rounds"]
         # What this method alone needs: the weights it uses plus its working memory. The MLX
