@@ -171,6 +171,9 @@ def test_mlx_lm_at_each_fixed_k_and_the_pipeline(pair, prompts, tmp_path, capsys
 def test_peer_draft_tokens_needs_the_peer(pair, prompts, tmp_path, capsys):
     assert bench(pair, prompts, tmp_path / "r.json", "--peer-draft-tokens", "3") == 1
     assert "--peer-draft-tokens needs --peers mlx-lm" in capsys.readouterr().err
+    bad = ("--peers", "mlx-lm", "--peer-draft-tokens", "3,five")
+    assert bench(pair, prompts, tmp_path / "r.json", *bad) == 1
+    assert "--peer-draft-tokens must be comma-separated integers" in capsys.readouterr().err
 
 
 def test_mismatch_is_flagged(pair, prompts, tmp_path, capsys, monkeypatch):

@@ -113,3 +113,13 @@ def test_chat_template_options(pair, capsys, tmp_path):
     with pytest.raises(SystemExit):  # not a JSON object
         build_parser().parse_args(["generate", "--model", "m", "--prompt", "x",
                                    "--chat-template-args", "[1]"])  # fmt: skip
+
+
+def test_integers_reads_comma_separated_ids_and_names_the_flag_on_bad_input():
+    from ondevice.apps.options import integers
+    from ondevice.errors import OndeviceError
+
+    assert integers("3,5", "--x") == [3, 5] and integers(" 1, 2 ,", "--x") == [1, 2]
+    assert integers("", "--x") == []
+    with pytest.raises(OndeviceError, match=r"--prompt-ids must be comma-separated integers"):
+        integers("1,two", "--prompt-ids")

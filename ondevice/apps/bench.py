@@ -20,13 +20,6 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in _csv(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 2,3,5, got {text!r}") from None
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = options.add_command(sub, "bench", HELP, DESCRIPTION)
     src = p.add_argument_group("models (default: the catalog's default pair)")
@@ -69,8 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--peer-draft-tokens",
-        type=_ints,
-        default=[],
+        default="",
         metavar="K,...",
         help="run mlx-lm's speculative decoding once per fixed K (e.g. 2,3,5; mlx-lm's default "
         "is 3) instead of once at ondevice's mean K",
@@ -99,6 +91,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise OndeviceError(f"--temp must be >= 0, got {args.temp}.")
     if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
         raise OndeviceError(f"--num-draft-tokens must be 1 or more, got {args.num_draft_tokens}.")
+    args.peer_draft_tokens = options.integers(args.peer_draft_tokens, "--peer-draft-tokens")
     if any(k < 1 for k in args.peer_draft_tokens):
         raise OndeviceError(f"--peer-draft-tokens must be 1 or more, got {args.peer_draft_tokens}.")
     if args.peer_draft_tokens and "mlx-lm" not in args.peers:

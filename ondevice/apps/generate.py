@@ -35,22 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _prompt_ids(text: str) -> list[int]:
-    from ondevice.errors import OndeviceError
-
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise OndeviceError(
-            f"--prompt-ids must be comma-separated integers, got {text!r}."
-        ) from None
-
-
 def run(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         prompt = options.read_prompt(args.prompt)
     else:
-        prompt = _prompt_ids(args.prompt_ids)
+        prompt = options.integers(args.prompt_ids, "--prompt-ids")
     gen = options.load_generator(args)
     options.apply_chat_template_option(gen, args.chat_template)
     kwargs = dict(

@@ -254,6 +254,14 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def integers(text: str, flag: str) -> list[int]:
+    """An option's comma-separated integers ("3,5" or "3, 5"); a clear error names the flag."""
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise OndeviceError(f"{flag} must be comma-separated integers, got {text!r}.") from None
+
+
 def read_prompt(text: str) -> str:
     """The prompt option's text; `-` reads standard input (mlx-lm's convention)."""
     if text != "-":

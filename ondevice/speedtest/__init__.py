@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ondevice.speedtest.peers import SPEC
 from ondevice.speedtest.prompts import BenchPrompt, builtin_prompts_path, read_prompts, select
 from ondevice.speedtest.report import (
     aggregate,
@@ -164,7 +165,7 @@ def _summary(results: dict[str, Any]) -> None:
     if tps("mlx-lm-spec") and tps("mlx-lm"):
         summary["mlx_lm_spec_over_mlx_lm_plain"] = tps("mlx-lm-spec") / tps("mlx-lm")
     # mlx-lm's speculative decoding at its best fixed K, and each ondevice method against it
-    spec = {m: tps(m) for m in agg if m.startswith("mlx-lm-spec") and tps(m)}
+    spec = {m: tps(m) for m in agg if m.startswith(SPEC) and tps(m)}
     if spec:
         best = max(spec, key=lambda m: spec[m])
         summary["mlx_lm_spec_best"] = best

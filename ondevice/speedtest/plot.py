@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from ondevice.speedtest.peers import SPEC
 from ondevice.speedtest.report import ALL, staging_file
 
 PALETTE = ["#3b6fb6", "#e07b39", "#3a9e6f", "#c4484f", "#8a63b8", "#9c7a4a", "#d16fb0"]
@@ -22,8 +23,8 @@ def _colors(methods: list[str]) -> dict[str, str]:
     ours = [m for m in methods if m != "plain" and not m.startswith("mlx-lm")]
     out.update({m: PALETTE[i % len(PALETTE)] for i, m in enumerate(ours)})
     out["mlx-lm"] = PLAIN_COLOR
-    out["mlx-lm-spec"] = out.get("chain", PALETTE[0])
-    fixed_k = [m for m in methods if m.startswith("mlx-lm-spec:")]  # one colour per K
+    out[SPEC] = out.get("chain", PALETTE[0])
+    fixed_k = [m for m in methods if m.startswith(f"{SPEC}:")]  # one colour per K
     out.update({m: PALETTE[(len(ours) + i) % len(PALETTE)] for i, m in enumerate(fixed_k)})
     return out
 
