@@ -24,6 +24,7 @@ from collections import defaultdict
 import numpy as np
 
 import ondevice
+from ondevice.runtime.costmodel import CostModel
 from ondevice.runtime.placement import predicted_model
 from ondevice.runtime.treecost import CostProfile, load_profile
 
@@ -31,11 +32,12 @@ METHODS = ("plain", "chain", "pipeline")
 
 
 def fit_alpha(tokens_per_round: float, k: float) -> float:
-    """The alpha at which (1 - alpha^(k+1)) / (1 - alpha) equals tokens_per_round."""
+    """The alpha at which the cost model's geometric tokens per round equals the measured."""
+    geometric = CostModel().tokens_per_round
     lo, hi = 0.0, 0.999
     for _ in range(60):
         mid = (lo + hi) / 2
-        if (1 - mid ** (k + 1)) / (1 - mid) < tokens_per_round:
+        if geometric(k, mid) < tokens_per_round:
             lo = mid
         else:
             hi = mid

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 
-from ondevice.runtime.placement import CONCURRENT, choose, predicted_model
+from ondevice.runtime.placement import candidates, choose
 from ondevice.runtime.treecost import CostProfile
 
 VERIFIER_BYTES = 3.09e9  # Qwen2.5-Coder-1.5B, bfloat16 (1.54B parameters, tied head)
@@ -55,18 +55,12 @@ def main() -> int:
     )
     for alpha in (float(a) for a in args.alphas.split(",")):
         best = choose(verify, drafts, alpha=alpha)
-        rows = []
-        for backend, prof in drafts.items():
-            model = predicted_model(verify, prof, alpha, 8)
-            for pipelined in (False, True) if backend in CONCURRENT else (False,):
-                k = model.best_k(pipelined, 8)
-                rate = model.rate(k, pipelined)
-                how = "pipelined" if pipelined else "sequential"
-                rows.append(f"{backend} {how} K={k}: {rate:.0f} tok/s = {rate / plain:.2f}x")
         print(f"alpha {alpha:.2f}: choose -> {best.backend}, pipelined={best.pipelined}, "
               f"K={best.k}, {best.tokens_per_second / plain:.2f}x plain")  # fmt: skip
-        for r in rows:
-            print("   ", r)
+        for c in candidates(verify, drafts, alpha=alpha):
+            how = "pipelined" if c.pipelined else "sequential"
+            rate = c.tokens_per_second
+            print(f"    {c.backend} {how} K={c.k}: {rate:.0f} tok/s = {rate / plain:.2f}x")
     return 0
 
 

@@ -46,6 +46,24 @@ def predicted_model(verify: CostProfile, draft: CostProfile, alpha: float, k_max
     return model
 
 
+def candidates(
+    verify: CostProfile,
+    drafts: Mapping[str, CostProfile],
+    *,
+    alpha: float = DEFAULT_ALPHA,
+    k_max: int = 8,
+) -> list[Placement]:
+    """Every (backend, pipelined) among `drafts` (backend -> its draft's profile) at its best K,
+    with its predicted tokens per second; pipelined only where drafting runs beside the GPU."""
+    out = []
+    for backend, profile in drafts.items():
+        model = predicted_model(verify, profile, alpha, k_max)
+        for pipelined in (False, True) if backend in CONCURRENT else (False,):
+            k = model.best_k(pipelined, k_max)
+            out.append(Placement(backend, pipelined, k, model.rate(k, pipelined)))
+    return out
+
+
 def choose(
     verify: CostProfile,
     drafts: Mapping[str, CostProfile],
@@ -53,19 +71,11 @@ def choose(
     alpha: float = DEFAULT_ALPHA,
     k_max: int = 8,
 ) -> Placement:
-    """The fastest (backend, pipelined, K) among `drafts` (backend -> its draft's profile)."""
+    """The fastest of `candidates` (the first of equals, in `drafts`' order)."""
     if not drafts:
         raise ValueError("no draft backend to choose from")
-    best: Placement | None = None
-    for backend, profile in drafts.items():
-        model = predicted_model(verify, profile, alpha, k_max)
-        for pipelined in (False, True) if backend in CONCURRENT else (False,):
-            k = model.best_k(pipelined, k_max)
-            found = Placement(backend, pipelined, k, model.rate(k, pipelined))
-            if best is None or found.tokens_per_second > best.tokens_per_second:
-                best = found
-    assert best is not None
-    return best
+    found = candidates(verify, drafts, alpha=alpha, k_max=k_max)
+    return max(found, key=lambda p: p.tokens_per_second)
 
 
 def place_draft(

@@ -91,7 +91,7 @@ class MlxLmPeer:
                     prompt,
                     self.model,
                     self.draft,
-                    num_draft_tokens=spec_k(method) or num_draft_tokens,
+                    num_draft_tokens=num_draft_tokens,
                     max_tokens=max_tokens,
                     sampler=sampler,
                 )

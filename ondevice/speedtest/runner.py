@@ -131,7 +131,9 @@ class Bench:
         out["finish_reason"] = "length" if n >= max_tokens else "stop"
 
     def run_one(self, method: str, ids: list[int], max_tokens: int, k: int = 3) -> dict[str, Any]:
-        """Generate once with `method` and return its measurements."""
+        """Generate once with `method` and return its measurements (`k`: mlx-lm's K unless
+        the method names its own, "mlx-lm-spec:K")."""
+        k = spec_k(method) or k
         stats: dict[str, Any] = {}
         if method.startswith("mlx-lm"):
             steps = self._peer_steps(method, ids, max_tokens, k, stats)
@@ -176,7 +178,6 @@ class Bench:
         if method.startswith("mlx-lm"):
             accepted = sum(flags)
             spec = method.startswith(SPEC)
-            k = spec_k(method) or k
             rounds, drafted = mlx_lm_rounds(flags, max_tokens, k) if spec else (n, 0)
             rec.update(
                 rounds=rounds,
