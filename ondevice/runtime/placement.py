@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ondevice.runtime.costmodel import CostModel
 from ondevice.runtime.treecost import CostProfile, load_profile
@@ -64,17 +65,12 @@ def candidates(
     return out
 
 
-def choose(
-    verify: CostProfile,
-    drafts: Mapping[str, CostProfile],
-    *,
-    alpha: float = DEFAULT_ALPHA,
-    k_max: int = 8,
-) -> Placement:
-    """The fastest of `candidates` (the first of equals, in `drafts`' order)."""
+def choose(verify: CostProfile, drafts: Mapping[str, CostProfile], **options: Any) -> Placement:
+    """The fastest of `candidates(verify, drafts, **options)` (alpha, k_max); the first of
+    equals, in `drafts`' order."""
     if not drafts:
         raise ValueError("no draft backend to choose from")
-    found = candidates(verify, drafts, alpha=alpha, k_max=k_max)
+    found = candidates(verify, drafts, **options)
     return max(found, key=lambda p: p.tokens_per_second)
 
 
