@@ -84,10 +84,10 @@ class Generator:
                 engines = {"coreml": self.draft, "mlx": mlx}
                 self.draft, self.placement = place_draft(self.verifier, engines)
         self.draft_backend = self.draft.name if self.draft is not None else None
-        self._lock = threading.Lock()  # one generation at a time per loaded model
         # The model's generation thread: every generation runs there, so the KV caches (whose
         # MLX arrays belong to the thread's stream) outlive a call and the prompt cache can
-        # reuse them. Started on first use.
+        # reuse them. Started on first use. Its job queue is also the line of callers: a
+        # generation asked for while another runs waits its turn (first come, first served).
         self._worker: Worker | None = None
         self.prompt_cache = PrefixCache(prompt_cache_bytes)
         self._ll_tokenizer: Any = None  # llguidance's view of the vocabulary, for grammars
@@ -210,6 +210,8 @@ class Generator:
         draft alike, so speculation stays exact for the transformed law. logprobs: report the
         verifier's log-probabilities of the emitted tokens (and of the `logprobs` most likely).
         tools, chat_template_kwargs: passed to the chat template (see `encode_prompt`).
+        Generations asked for from several threads (or while one is being read) wait their
+        turn, first come first served, and each gives the tokens it would give alone.
         """
         try:
             params = SamplingParams(
@@ -236,19 +238,17 @@ class Generator:
         if not ids:
             raise OndeviceError("the prompt is empty (it encodes to no tokens); pass some text.")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not self._lock.acquire(blocking=False):
-            raise OndeviceError("this model is already generating; wait for it to finish.")
-        try:
-            cancel = _cancel or threading.Event()
+        cancel = _cancel or threading.Event()
 
-            def job() -> Iterator[Chunk]:
-                dec = self._decoder(params, seed, num_draft_tokens, speculative, method, pipeline)
-                draft = self.draft if speculative else None
-                return self._cached_stream(dec, draft, ids, max_tokens, stops, cancel, cache_prompt)
+        def job() -> Iterator[Chunk]:
+            dec = self._decoder(params, seed, num_draft_tokens, speculative, method, pipeline)
+            draft = self.draft if speculative else None
+            return self._cached_stream(dec, draft, ids, max_tokens, stops, cancel, cache_prompt)
 
-            yield from self._thread().iterate(job, cancel)
-        finally:
-            self._lock.release()
+        # Queued on the model's thread behind the generations asked for earlier (by any
+        # thread); the job never waits for its consumer, so a caller that starts a second
+        # generation while reading the first one cannot deadlock.
+        yield from self._thread().iterate(job, cancel)
 
     # -- the generation thread and the prompt cache -----------------------------------------
 
@@ -340,9 +340,6 @@ class Generator:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens; the model's context is {self.context_length}."
             )
-        if not self._lock.acquire(blocking=False):
-            raise OndeviceError("this model is already generating; wait for it to finish.")
-
         def work() -> None:
             from ondevice.speculative.engine import prefill
 
@@ -356,10 +353,7 @@ class Generator:
             finally:
                 self._reset_engines()
 
-        try:
-            self._call(work)
-        finally:
-            self._lock.release()
+        self._call(work)  # after the generations already queued
         return len(ids)
 
     def load_prompt_cache(self, path: str | Path) -> int:

@@ -1,0 +1,84 @@
+"""Several threads calling one loaded model queue for it (issue 28, item 8): a second caller
+waits its turn instead of getting an error, turns are first come first served, and every
+answer is the one the same call gives alone."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+PROMPTS = ["hello there", "count: 1 2 3", "abc abc abc", "why?", "the end", "more text"]
+
+
+def _options(i: int) -> dict:
+    return {"max_tokens": 24, "temperature": 0.8 if i % 2 else 0.0, "seed": i}
+
+
+def test_threads_queue_and_get_the_sequential_answers(gen):
+    expected = [gen.generate(p, **_options(i)).tokens for i, p in enumerate(PROMPTS)]
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(PROMPTS))
+
+    def call(i: int) -> None:
+        try:
+            barrier.wait()
+            results[i] = gen.generate(PROMPTS[i], **_options(i)).tokens
+        except BaseException as e:  # collected: an error here is the bug
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert [results[i] for i in range(len(PROMPTS))] == expected
+
+
+def test_turns_are_first_come_first_served(gen):
+    order: list[int] = []
+    first = gen.stream("hello there", max_tokens=16)
+    next(first)  # the first generation runs now
+    started = []
+
+    def call(i: int) -> None:
+        started.append(i)
+        gen.generate(PROMPTS[i], max_tokens=4)
+        order.append(i)
+
+    threads = []
+    for i in range(1, 4):
+        t = threading.Thread(target=call, args=(i,))
+        t.start()
+        threads.append(t)
+        while len(started) < i:  # arrival order is the start order
+            time.sleep(0.001)
+        time.sleep(0.05)  # and its job is queued before the next thread starts
+    rest = list(first)
+    for t in threads:
+        t.join(timeout=60)
+    assert rest and rest[-1].stats is not None
+    assert order == [1, 2, 3]
+
+
+def test_a_second_generation_while_reading_the_first_does_not_deadlock(gen):
+    alone = gen.generate("abc abc abc", max_tokens=8).tokens
+    outer = gen.stream("hello there", max_tokens=8)
+    next(outer)
+    inner = gen.generate("abc abc abc", max_tokens=8).tokens  # waits for `outer` to finish
+    assert inner == alone
+    assert list(outer)[-1].stats is not None
+
+
+def test_astream_queues_behind_a_thread(gen):
+    expected = gen.generate("why?", max_tokens=12).tokens
+    first = gen.stream("hello there", max_tokens=16)
+    next(first)
+
+    async def collect() -> list[int]:
+        return [t async for c in gen.astream("why?", max_tokens=12) for t in c.tokens]
+
+    assert asyncio.run(collect()) == expected
+    assert list(first)[-1].stats is not None
