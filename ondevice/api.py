@@ -340,6 +340,7 @@ class Generator:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens; the model's context is {self.context_length}."
             )
+
         def work() -> None:
             from ondevice.speculative.engine import prefill
 
