@@ -92,6 +92,7 @@ class Generator:
         self.prompt_cache = PrefixCache(prompt_cache_bytes)
         self._ll_tokenizer: Any = None  # llguidance's view of the vocabulary, for grammars
         self._fingerprints: dict[str, str] | None = None
+        self._marks: tuple[str | None, str, tuple[str, ...]] | None = None  # _template_marks
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -114,6 +115,8 @@ class Generator:
         tok = self.tokenizer
         if isinstance(prompt, str):
             if chat_template and tok.chat_template:
+                if self.is_templated(prompt):  # rendered already: templating again doubles it
+                    return tok.encode(prompt, add_special_tokens=False)
                 text = tok.apply_chat_template([{"role": "user", "content": prompt}], **chat)
                 return tok.encode(text, add_special_tokens=False)
             return tok.encode(prompt)
@@ -136,6 +139,34 @@ class Generator:
         raise OndeviceError(
             "prompt must be a string, a list of {'role','content'} messages, or a list of token ids."
         )
+
+    def is_templated(self, text: str) -> bool:
+        """Whether a prompt string was already rendered by a chat template (mlx-lm's users pass
+        `tokenizer.apply_chat_template(...)`'s text): it begins as the template renders a user
+        message, or holds a special token the template writes around messages (such as
+        `<|im_start|>`). Such a string is encoded as it is, not wrapped in the template again."""
+        prefix, markers = self._template_marks()
+        return (bool(prefix.strip()) and text.startswith(prefix)) or any(m in text for m in markers)
+
+    def _template_marks(self) -> tuple[str, tuple[str, ...]]:
+        """The chat template's text before a user message's content, and the special tokens it
+        writes; cached per template (--chat-template may replace it)."""
+        tok = self.tokenizer
+        cached = self._marks
+        if cached is not None and cached[0] == tok.chat_template:
+            return cached[1], cached[2]
+        sentinel = "\u2063ondevice\u2063"
+        try:
+            rendered = tok.apply_chat_template([{"role": "user", "content": sentinel}])
+        except OndeviceError:  # a template that needs a system turn, ... : no prefix to match
+            rendered = ""
+        prefix = rendered.split(sentinel)[0] if sentinel in rendered else ""
+        specials = tok._tok.get_added_tokens_decoder().values()
+        markers = tuple(
+            t.content for t in specials if t.special and t.content and t.content in rendered
+        )
+        self._marks = (tok.chat_template, prefix, markers)
+        return prefix, markers
 
     def count_tokens(self, prompt: Prompt, chat_template: bool = True, **chat: Any) -> int:
         return len(self.encode_prompt(prompt, chat_template, **chat))

@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     options.add_model_arguments(p)
-    p.add_argument("--system", help="system prompt")
+    options.add_system_prompt_argument(p)
     options.add_sampling_arguments(p, temp=0.7, max_tokens=512)
     options.add_chat_template_arguments(p)
     p.add_argument("--history", metavar="PATH", help="keep the conversation in this JSON file")
@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
                                           "num_draft_tokens", "speculative")}  # fmt: skip
     sampling["chat_template_kwargs"] = args.chat_template_args
     settings = Settings(**core, extra=sampling)
-    ctrl = ChatController(history_path=args.history, system_prompt=args.system, settings=settings)
+    system = options.read_system_prompt(args.system_prompt)
+    ctrl = ChatController(history_path=args.history, system_prompt=system, settings=settings)
     for event in ctrl.drain():
         if event.kind == "error":
             print(f"warning: {event.text}", file=sys.stderr)

@@ -104,7 +104,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_chat_template_arguments(p)
     add_request_default_arguments(p)
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info"))
+    p.add_argument(
+        "--log-level", default="info", type=str.lower, metavar="LEVEL",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="critical, error, warning, info or debug, any case (mlx_lm.server's INFO works; "
+        "default: info)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
