@@ -20,6 +20,7 @@ from ondevice.models.tokenizer import Tokenizer, check_pair
 from ondevice.results import Chunk, GenerationResult
 from ondevice.runtime.decoders import METHODS as METHODS
 from ondevice.runtime.decoders import check_method, make_decoder
+from ondevice.runtime.drift import DriftMonitor, check_domain, read_baseline, state_key
 from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engine
 from ondevice.runtime.placement import Placement, place_draft
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
@@ -93,6 +94,16 @@ class Generator:
         self._ll_tokenizer: Any = None  # llguidance's view of the vocabulary, for grammars
         self._fingerprints: dict[str, str] | None = None
         self._marks: tuple[str | None, str, tuple[str, ...]] | None = None  # _template_marks
+        # the pair's rolling acceptance against the one its bundle recorded (runtime/drift.py)
+        from ondevice.models.hub import cache_dir
+
+        drafts = pair.draft.path if pair.draft else pair.mlpackage
+        self.drift = DriftMonitor(
+            pair.extra.get("baseline"),
+            model=self.model_name,
+            key=state_key(str(pair.verifier.path), str(drafts or "")),
+            state_dir=cache_dir() / "drift",
+        )
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -224,6 +235,7 @@ class Generator:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         cache_prompt: bool = True,
+        domain: str | None = None,
         _cancel: threading.Event | None = None,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are decided; the last chunk carries finish_reason and stats.
@@ -241,6 +253,8 @@ class Generator:
         draft alike, so speculation stays exact for the transformed law. logprobs: report the
         verifier's log-probabilities of the emitted tokens (and of the `logprobs` most likely).
         tools, chat_template_kwargs: passed to the chat template (see `encode_prompt`).
+        domain: the kind of request ("code", "chat", "math", ...) whose draft acceptance this
+        generation counts towards (see `acceptance_drift`); None counts it in one default bucket.
         Generations asked for from several threads (or while one is being read) wait their
         turn, first come first served, and each gives the tokens it would give alone.
         """
@@ -259,6 +273,7 @@ class Generator:
         for flag, value in (("speculative", speculative), ("chat_template", chat_template)):
             _check_type(flag, value, bool, "True or False")
         _check_type("pipeline", pipeline, (bool, type(None)), "True, False or None")
+        domain = check_domain(domain)
         if not (stop is None or isinstance(stop, str) or (
             isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)
         )):  # fmt: skip
@@ -271,10 +286,22 @@ class Generator:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         cancel = _cancel or threading.Event()
 
+        # greedy chain drafts are what the bundle's acceptance baseline measured
+        plain = (
+            params.temperature == 0
+            and grammar is None
+            and not logit_bias
+            and (repetition_penalty == 1 and presence_penalty == 0 and frequency_penalty == 0)
+        )
+        comparable = speculative and self.draft is not None and method == "chain" and plain
+        bucket = self.drift.bucket(domain) if comparable else None
+
         def job() -> Iterator[Chunk]:
             dec = self._decoder(params, seed, num_draft_tokens, speculative, method, pipeline)
             draft = self.draft if speculative else None
-            return self._cached_stream(dec, draft, ids, max_tokens, stops, cancel, cache_prompt)
+            return self._cached_stream(
+                dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket
+            )
 
         # Queued on the model's thread behind the generations asked for earlier (by any
         # thread); the job never waits for its consumer, so a caller that starts a second
@@ -293,7 +320,7 @@ class Generator:
         """fn() on the model's thread (it may touch the caches); its result or exception."""
         return self._thread().call(fn)
 
-    def _cached_stream(self, dec, draft, ids, max_tokens, stops, cancel, cache_prompt):
+    def _cached_stream(self, dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket):
         """`_stream` from the prompt cache's longest prefix of `ids`; afterwards the caches are
         kept there (or dropped when the generation failed mid-round)."""
         t = time.perf_counter()
@@ -314,6 +341,8 @@ class Generator:
                     chunk.stats["draft_cached_tokens"] = restored.draft
                     chunk.stats["prompt_seconds"] += t_restore
                     chunk.stats["total_seconds"] += t_restore
+                    if bucket is not None:
+                        self.drift.observe(bucket, chunk.stats)
                 yield chunk
         except GeneratorExit:
             raise
@@ -333,6 +362,13 @@ class Generator:
         self.verifier.reset()
         if self.draft is not None:
             self.draft.reset()
+
+    def acceptance_drift(self) -> dict[str, Any]:
+        """The draft's rolling acceptance per domain against the one its bundle recorded when
+        it was made, and whether it has fallen (see `ondevice.runtime.drift`): {"baseline",
+        "alarm", "advice", "window", "domains": {name: acceptance, trials, baseline, threshold,
+        alarm, since}}."""
+        return self.drift.status()
 
     def prompt_cache_stats(self) -> dict[str, int]:
         """entries, bytes, max_bytes, hits, misses, evictions and cached_tokens (in total)."""
@@ -443,6 +479,15 @@ class Generator:
                 yield chunk
 
 
+def _bundle_draft(pair: _Pair, b: Any, opts: dict[str, Any]) -> None:
+    """The draft of bundle `b` (its MLX copy and Core ML package) and its acceptance baseline."""
+    from ondevice.models.bundle import MANIFEST
+
+    pair.draft = load_model(b.draft_mlx_dir, **opts) if b.draft_mlx_dir else None
+    pair.mlpackage, pair.draft_context = b.mlpackage, b.context_length
+    pair.extra["baseline"] = read_baseline(b.manifest, b.path / MANIFEST)
+
+
 def load(
     verifier: str | Path,
     draft: str | Path | None = None,
@@ -455,7 +500,9 @@ def load(
     prompt_cache_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Generator:
     """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
-    draft. A pair bundle brings its own draft (Core ML and MLX).
+    draft. A pair bundle brings its own draft (Core ML and MLX); `draft` may also be a bundle,
+    whose draft then serves this verifier (a fine-tuned one, say) and whose recorded
+    acceptance tells when the two agree less (`Generator.acceptance_drift`).
 
     dequantize: expand quantized weights to float32 on load. Default: only where MLX runs on
     the CPU (Linux), because there its quantized matmul costs grow with every token of a
@@ -494,14 +541,19 @@ def load(
     if is_bundle(path):
         b = open_bundle(path)
         v = load_model(b.verifier_dir, quantize=quantize, **opts)
-        d = load_model(b.draft_mlx_dir, **opts) if b.draft_mlx_dir else None
-        pair = _Pair(v, d, b.mlpackage, b.context_length, {"name": path.name})
+        pair = _Pair(v, extra={"name": path.name})
+        _bundle_draft(pair, b, opts)
     else:
         v = load_model(path, quantize=quantize, **opts)
         pair = _Pair(v)
     if draft is not None:
-        pair.draft = load_model(draft, **opts)
-        pair.mlpackage = None
+        draft_path = resolve(draft)
+        if is_bundle(draft_path):  # a bundle's draft, with the acceptance it recorded
+            _bundle_draft(pair, open_bundle(draft_path), opts)
+        else:
+            pair.draft = load_model(draft_path, **opts)
+            pair.mlpackage, pair.draft_context = None, None
+            pair.extra.pop("baseline", None)
     if pair.draft is not None:
         check_pair(pair.verifier.tokenizer, pair.draft.tokenizer, pair.draft.config.vocab_size)
     gen = Generator(pair, draft_backend, prompt_cache_bytes)
