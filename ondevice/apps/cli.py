@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "serve",
     "chat",
     "pull",
+    "cached",
     "doctor",
     "bench",
     "distill",

@@ -11,6 +11,7 @@ a staging directory that only becomes OUT when complete (see `ondevice.convert.b
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 import threading
@@ -52,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="float type of the MLX weights (default: as stored in the checkpoint)",
     )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also show coremltools' own progress bars (one per MIL pass pipeline)",
+    )
     p.add_argument(
         "--check",
         metavar="BUNDLE",
@@ -278,6 +285,25 @@ def _convert_progress() -> Callable[..., None]:
     return report
 
 
+@contextmanager
+def _coremltools_progress(shown: bool) -> Iterator[None]:
+    """coremltools draws a tqdm bar on stderr for each MIL pass pipeline it runs, half a dozen
+    per conversion, between ondevice's own phase lines; hide them unless --verbose."""
+    try:
+        from coremltools.converters.mil.mil.passes import pass_pipeline
+    except ImportError:
+        pass_pipeline = None
+    bar = getattr(pass_pipeline, "tqdm", None)
+    if shown or bar is None:
+        yield
+        return
+    pass_pipeline.tqdm = functools.partial(bar, disable=True)  # tqdm's own switch
+    try:
+        yield
+    finally:
+        pass_pipeline.tqdm = bar
+
+
 def _weights_bytes(source: str) -> int:
     """Bytes of weights in a local model folder or file; 0 for names resolved later."""
     p = Path(source).expanduser()
@@ -369,9 +395,12 @@ def _write_bundle(
         _save_mlx(verifier, tmp / "verifier")
     with phases("writing draft (MLX)"):
         _save_mlx(draft, tmp / "draft" / "mlx")
-    with phases(
-        f"converting draft to Core ML (context {args.context}, chunk {args.draft_chunk}, "
-        f"compress {args.draft_compress}, kv {args.draft_kv})"
+    with (
+        phases(
+            f"converting draft to Core ML (context {args.context}, chunk {args.draft_chunk}, "
+            f"compress {args.draft_compress}, kv {args.draft_kv})"
+        ),
+        _coremltools_progress(shown=args.verbose),
     ):
         description = _convert_draft(args, draft, tmp / "draft" / "draft.mlpackage")
     with phases(f"measuring the pair's acceptance per domain ({args.acceptance_tokens} tokens)"):
