@@ -81,3 +81,34 @@ def test_a_templated_prompt_string_is_not_templated_again(gen):
     assert gen.is_templated(rendered) and not gen.is_templated("hi there")
     # raw text still goes through the template
     assert len(gen.encode_prompt("hi there")) > len(gen.tokenizer.encode("hi there"))
+
+
+def test_mlx_lm_server_command_line_parses():
+    sub = next(a for a in build_parser()._actions if a.choices and "serve" in a.choices).choices
+    args = sub["serve"].parse_args(
+        ["--model", "M", "--draft-model", "D", "--num-draft-tokens", "3", "--host", "127.0.0.1",
+         "--port", "8080", "--log-level", "INFO", "--use-default-chat-template",
+         "--chat-template-args", '{"enable_thinking": false}', "--temp", "0.7", "--top-p", "0.9",
+         "--top-k", "40", "--min-p", "0.0", "--max-tokens", "100"]
+    )  # fmt: skip
+    assert args.use_default_chat_template and args.log_level == "info"
+    assert args.chat_template_args == {"enable_thinking": False}
+
+
+def test_use_default_chat_template_for_a_model_without_one(tmp_path, capsys):
+    model = tiny.write_model(tmp_path / "bare", layers=1)
+    config = model / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items()
+                                  if k != "chat_template"}))  # fmt: skip
+    bare = ondevice.load(model)
+    assert not bare.tokenizer.chat_template
+    argv = ["generate", "--model", str(model), "--prompt", "hello", "-m", "1", "--json"]
+    assert main(argv) == 0
+    raw = json.loads(capsys.readouterr().out)["stats"]["prompt_tokens"]
+    assert raw == len(bare.tokenizer.encode("hello"))
+    assert main([*argv, "--use-default-chat-template"]) == 0
+    templated = json.loads(capsys.readouterr().out)["stats"]["prompt_tokens"]
+    from ondevice.models.tokenizer import DEFAULT_CHAT_TEMPLATE
+
+    bare.tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    assert templated == len(bare.encode_prompt("hello")) > raw

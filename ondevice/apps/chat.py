@@ -69,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     ctrl.wait()
     if ctrl.model_name is None:
         raise OndeviceError(ctrl.error or "the model could not be loaded.")
-    options.apply_chat_template_option(ctrl._gen, args.chat_template)
+    options.apply_chat_template_option(
+        ctrl._gen, args.chat_template, args.use_default_chat_template
+    )
     ctrl.drain()
     # Ctrl-C is how an answer is stopped: make it raise KeyboardInterrupt even when the chat was
     # started from a context that ignores SIGINT (a background job of a script inherits SIG_IGN,

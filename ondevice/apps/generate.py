@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt = options.integers(args.prompt_ids, "--prompt-ids")
     gen = options.load_generator(args)
-    options.apply_chat_template_option(gen, args.chat_template)
+    options.apply_chat_template_option(gen, args.chat_template, args.use_default_chat_template)
     kwargs = dict(
         **options.sampling_options(args),
         chat_template=not args.no_chat_template,

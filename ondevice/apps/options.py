@@ -227,6 +227,10 @@ def add_chat_template_arguments(p: Any) -> None:
         dest="chat_template_args",
         help='keyword arguments for the chat template, e.g. \'{"enable_thinking": false}\'',
     )  # fmt: skip
+    p.add_argument(
+        "--use-default-chat-template", action="store_true",
+        help="a model without a chat template gets the default (ChatML) one (mlx-lm's flag)",
+    )  # fmt: skip
 
 
 def add_no_chat_template_argument(p: Any, help: str) -> None:
@@ -273,10 +277,17 @@ def str2bool(text: str) -> bool:
     return text.lower() not in ("false", "f", "no", "0")
 
 
-def apply_chat_template_option(gen: Generator, template: str | None) -> None:
-    """Replace the model's chat template by --chat-template's (a file or the text itself)."""
+def apply_chat_template_option(
+    gen: Generator, template: str | None, use_default: bool = False
+) -> None:
+    """Replace the model's chat template by --chat-template's (a file or the text itself);
+    with --use-default-chat-template, give a model that has none the default (ChatML) one."""
     if template:
         gen.tokenizer.chat_template = text_or_file(template, "--chat-template")
+    elif use_default and not gen.tokenizer.chat_template:
+        from ondevice.models.tokenizer import DEFAULT_CHAT_TEMPLATE
+
+        gen.tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
 
 
 def json_object(text: str) -> dict[str, Any]:

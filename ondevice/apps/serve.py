@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         hosts = (args.host, *LOOPBACK_HOSTS, *args.allow_host) if args.allow_host else None
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     gen = load_generator(args)
-    apply_chat_template_option(gen, args.chat_template)
+    apply_chat_template_option(gen, args.chat_template, args.use_default_chat_template)
     warm_up(gen)
     server = OpenAIServer(
         gen,
