@@ -552,7 +552,7 @@ def load(
             _bundle_draft(pair, open_bundle(draft_path), opts)
         else:
             pair.draft = load_model(draft_path, **opts)
-            pair.mlpackage, pair.draft_context = None, None
+            pair.mlpackage = None
             pair.extra.pop("baseline", None)
     if pair.draft is not None:
         check_pair(pair.verifier.tokenizer, pair.draft.tokenizer, pair.draft.config.vocab_size)
