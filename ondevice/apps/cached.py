@@ -80,6 +80,8 @@ def run_show(args: argparse.Namespace) -> int:
         return 0
     for d in details:
         for key, value in d.items():
+            if key == "size_bytes":
+                continue  # `size` says it
             if key == "acceptance":
                 print("acceptance   (greedy draft acceptance per domain when the bundle was made)")
                 for domain, rate in value.items():
