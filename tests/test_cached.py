@@ -71,7 +71,7 @@ def test_show_a_bundle_and_a_catalog_model(cache, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["kind"] == "bundle" and shown["context"] == 64
     assert "manifest.json" in shown["files"]
-    assert set(shown["acceptance"]) >= {"code", "chat", "all"}
+    assert set(shown["acceptance"]) >= {"code", "chat", "math"}
     assert main(["show", "qwen2.5-coder-0.5b-instruct"]) == 0
     out = capsys.readouterr().out
     assert "Qwen2.5-Coder-0.5B-Instruct" in out and "model.gguf" in out

@@ -75,12 +75,13 @@ def test_nothing_is_judged_before_the_window_fills_or_without_a_baseline():
     assert not bare.status()["alarm"] and bare.status()["domains"]["code"]["baseline"] is None
 
 
-def test_unknown_domains_use_the_pooled_baseline_and_buckets_are_bounded():
+def test_unnamed_and_unknown_domains_use_the_weakest_record_and_buckets_are_bounded():
     base = read_baseline({"acceptance": {"domains": {"code": {"accepted": 70, "rejected": 30},
                                                      "chat": {"accepted": 40, "rejected": 60}}}})  # fmt: skip
-    assert base[drift.ALL] == Rate(110, 90)
+    assert base == BASE
     mon = DriftMonitor(base)
-    assert mon.base("poetry") == Rate(110, 90) and mon.base("code") == Rate(70, 30)
+    assert mon.base("poetry") == mon.base(drift.DEFAULT_DOMAIN) == Rate(40, 60)
+    assert mon.base("code") == Rate(70, 30)
     names = {mon.bucket(f"d{i}") for i in range(drift.MAX_DOMAINS + 5)}
     for n in names:
         mon.observe(n, _stats(1, 1))
