@@ -5,6 +5,7 @@ answer is the one the same call gives alone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -82,3 +83,35 @@ def test_astream_queues_behind_a_thread(gen):
 
     assert asyncio.run(collect()) == expected
     assert list(first)[-1].stats is not None
+
+
+def test_a_task_that_leaves_the_line_does_not_wait_for_the_model(tmp_path):
+    import tiny
+
+    import ondevice
+
+    endless = ondevice.load(tiny.write_endless_model(tmp_path / "endless", context=8192))
+    expected = endless.generate("abc", max_tokens=8).tokens
+    first = endless.stream("hello there", max_tokens=4000)  # seconds of work
+    next(first)
+    misses = endless.prompt_cache_stats()["misses"]
+
+    async def leave() -> float:
+        async def read() -> None:
+            async for _ in endless.astream("why?", max_tokens=4000):
+                pass
+
+        task = asyncio.create_task(read())
+        await asyncio.sleep(0.2)  # queued behind the first generation
+        t0 = time.perf_counter()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return time.perf_counter() - t0
+
+    left = asyncio.run(leave())
+    rest = list(first)
+    assert rest[-1].stats["generation_tokens"] == 4000  # the first ran to its end
+    assert left < 0.5, f"a cancelled queued astream waited {left:.2f} s for the model"
+    assert endless.prompt_cache_stats()["misses"] == misses  # the second never ran
+    assert endless.generate("abc", max_tokens=8).tokens == expected
