@@ -109,3 +109,16 @@ def test_convert_hides_coremltools_progress_bars_unless_verbose(pair, tmp_path, 
     assert "Running MIL" not in err and "converting draft to Core ML" in err
     assert _convert(pair, tmp_path / "loud", "--verbose") == 0
     assert "Running MIL" in capsys.readouterr().err
+
+
+def test_serve_reports_a_busy_port_before_loading_the_model(pair, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(pair[0]), "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err and "--port" in err
+    assert "loading" not in err  # nothing was loaded
