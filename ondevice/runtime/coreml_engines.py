@@ -36,6 +36,9 @@ import numpy as np
 from ondevice.errors import ContextLengthError, CoreMLUnavailableError, OndeviceError
 
 FUNCTIONS = ("decode", "chunk")
+# The float type of arrays the engine hands Core ML: coremltools' native layer converts only
+# int32, float32 and float64 arrays (coremlpython `dataTypeOf`), widening to the model's float16.
+CORE_ML_FLOAT = np.float32
 
 
 class _PackageDraftEngine:
@@ -62,9 +65,13 @@ class _PackageDraftEngine:
             # One state shared by both functions: they declare the same KV-cache states.
             self._state = self._make_state()
         else:
+            # float32, although the package declares float16: coremltools' predict replaces a
+            # float16 input in the caller's dict by a float32 copy (its native layer takes only
+            # int32/float32/float64), so float16 caches would be swapped out after one call and
+            # the engine would keep writing into arrays Core ML never sees again.
             shape = tuple(meta["kv_cache"]["shape"])
-            self._keys = np.zeros(shape, np.float16)
-            self._values = np.zeros(shape, np.float16)
+            self._keys = np.zeros(shape, CORE_ML_FLOAT)
+            self._values = np.zeros(shape, CORE_ML_FLOAT)
         # The engine's own input buffers, one set per function, refilled for every call.
         self._inputs: dict[str, dict[str, np.ndarray]] = {}
         for function, tokens in (("decode", 1), ("chunk", self.chunk)):
@@ -112,7 +119,9 @@ class _PackageDraftEngine:
             raise ContextLengthError(f"a prefix of {n} tokens exceeds the draft's context.")
         if self.kv == "state":
             for name, part in kv.items():
-                full = np.zeros(tuple(self.meta["kv_cache"]["shape"]), np.float16)
+                # float32: Core ML's write_state refuses float16 ("value type not convertible")
+                # and converts to the state's float16 itself
+                full = np.zeros(tuple(self.meta["kv_cache"]["shape"]), CORE_ML_FLOAT)
                 full[:, :, :n] = part  # slots beyond n are masked until overwritten
                 self._state.write_state(name, full)
         else:

@@ -1,0 +1,152 @@
+"""Every Core ML engine path on Linux, through the strict stand-in (`support.coreml`): coremltools'
+own Python layer over a fake native module that keeps the native layer's rules (issue 27).
+
+Decode, chunk, state read/write, prompt-cache restore, io mode, the fallback to the MLX draft
+(at load, at placement and during generation) and the once-per-package probe in a child process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+from support import coreml as strict
+
+from ondevice.api import Generator, _Pair
+from ondevice.convert.coreml import convert_draft
+from ondevice.models import load_model
+from ondevice.runtime.coreml_engines import CoreMLDraftEngine, ReferenceDraftEngine
+from ondevice.runtime.mil.package import read_description
+
+CONTEXT, CHUNK, VOCAB = 256, 8, 96
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    """A tiny endless verifier, a perturbed draft, and the draft converted in both kv modes."""
+    root = tmp_path_factory.mktemp("standin")
+    v = tiny.write_endless_model(root / "v", seed=0, scale=1.5, context=512)
+    d = tiny.perturbed_copy(v, root / "d", noise=0.3)
+    draft = load_model(d)
+    weights = {k: np.array(x.astype(mx.float32)) for k, x in tree_flatten(draft.model.parameters())}
+    out = {"verifier": v, "draft": d}
+    for kv in ("state", "io"):
+        out[kv] = root / f"draft-{kv}.mlpackage"
+        convert_draft(draft.config, weights, out[kv], context=CONTEXT, chunk=CHUNK, kv=kv)
+    return out
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(5, VOCAB, n)]
+
+
+# -- the stand-in itself keeps coremltools' rules ------------------------------------------------
+
+
+def test_the_stand_in_runs_coremltools_python_layer_and_native_rules(models, home, monkeypatch):
+    import coremltools as ct
+    from coremltools.models.utils import compile_model
+
+    fake = strict.install(monkeypatch)
+    compiled = compile_model(str(models["io"]), str(home / "x.mlmodelc"))
+    model = ct.models.CompiledMLModel(
+        compiled, compute_units=ct.ComputeUnit.CPU_AND_NE, function_name="decode"
+    )
+    shape = tuple(read_description(models["io"])["kv_cache"]["shape"])
+    cache = np.zeros(shape, np.float16)
+    inputs = {
+        "input_ids": np.zeros((1, 1), np.int32),
+        "position": np.zeros((1,), np.int32),
+        "key_cache": cache,
+        "value_cache": cache,
+    }
+    out = model.predict(inputs)
+    # coremltools replaced the float16 arrays in the caller's dict (in place) by float32 copies
+    assert inputs["key_cache"] is not cache and inputs["key_cache"].dtype == np.float32
+    assert all(v.dtype == np.float32 for v in out.values())  # float16 outputs widened
+    with pytest.raises(RuntimeError, match="value type not convertible"):
+        model.predict({**inputs, "input_ids": np.zeros((1, 1), np.int64)})
+    with pytest.raises(RuntimeError, match="does not match the shape"):
+        model.predict({**inputs, "input_ids": np.zeros((1, 2), np.int32)})
+    # states: float16 writes are refused, reads come back float32, shapes must match
+    stateful = ct.models.CompiledMLModel(
+        compile_model(str(models["state"]), str(home / "s.mlmodelc")),
+        compute_units=ct.ComputeUnit.CPU_AND_NE,
+        function_name="decode",
+    )
+    state = stateful.make_state()
+    full = state.read_state("key_cache")
+    assert full.dtype == np.float32
+    with pytest.raises(RuntimeError, match="value type not convertible"):
+        state.write_state("key_cache", full.astype(np.float16))
+    with pytest.raises(RuntimeError, match="does not match"):
+        state.write_state("key_cache", full[:, :, :3])
+    state.write_state("key_cache", full + 1)
+    assert (state.read_state("key_cache") == 1).all()
+    assert fake.compiled and {f for _, _, f in fake.loaded} == {"decode"}
+
+
+# -- the engine through it -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv", ["state", "io"])
+def test_the_core_ml_engine_equals_the_reference_executor(models, home, monkeypatch, kv):
+    """Decode and chunk calls, several feeds and a trim: the same logits as the reference run of
+    the same package. (io mode: coremltools swaps the engine's float16 caches for float32 copies
+    on the first predict, so the engine kept writing into arrays Core ML never saw again.)"""
+    fake = strict.install(monkeypatch)
+    engine, ref = CoreMLDraftEngine(models[kv]), ReferenceDraftEngine(models[kv])
+    for tokens in (ids(19, 1), [7], [8], ids(3, 2)):
+        np.testing.assert_array_equal(engine.feed(tokens), ref.feed(tokens))
+    engine.trim(4)
+    ref.trim(4)
+    np.testing.assert_array_equal(engine.feed([9, 10]), ref.feed([9, 10]))
+    assert {"decode", "chunk"} <= set(fake.predictions)
+
+
+def test_a_prefix_is_written_back_into_the_core_ml_state(models, home, monkeypatch):
+    """The prompt cache's restore writes a saved prefix into the Core ML state: the native layer
+    takes int32/float32/float64 only, so a float16 write raised on every restored turn."""
+    fake = strict.install(monkeypatch)
+    engine, ref = CoreMLDraftEngine(models["state"]), ReferenceDraftEngine(models["state"])
+    prompt = ids(21, 3)
+    engine.feed(prompt)
+    saved = engine.export_kv(15)
+    assert all(a.dtype == np.float16 for a in saved.values())
+    engine.reset()
+    engine.import_kv(saved)
+    ref.feed(prompt[:15])
+    np.testing.assert_array_equal(engine.feed(prompt[15:]), ref.feed(prompt[15:]))
+    assert fake.predictions  # (the state went through the stand-in)
+
+
+def package_generator(models, kv: str = "state", backend: str = "coreml", **kw) -> Generator:
+    pair = _Pair(load_model(models["verifier"]), None, models[kv], CONTEXT)
+    return Generator(pair, backend, **kw)
+
+
+@pytest.mark.parametrize("kv", ["state", "io"])
+def test_a_20_turn_chat_hits_the_cache_on_every_turn_after_the_first(models, home, monkeypatch, kv):
+    strict.install(monkeypatch)
+    gen = package_generator(models, kv)
+    ref = package_generator(models, kv, backend="reference", prompt_cache_bytes=0)
+    assert gen.draft_backend == "coreml"
+    kw = {"max_tokens": 6, "temperature": 0.0}
+    history = ids(12, 4)
+    for turn in range(20):
+        r = gen.generate(history, **kw)
+        assert r.tokens == ref.generate(history, **kw).tokens, turn
+        if turn:
+            assert r.stats["cached_tokens"] > 0 and r.stats["draft_cached_tokens"] > 0, turn
+        assert r.stats["draft_backend"] == "coreml"
+        history = history + r.tokens + ids(3, 100 + turn)
