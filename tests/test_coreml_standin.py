@@ -7,6 +7,7 @@ Decode, chunk, state read/write, prompt-cache restore, io mode, the fallback to 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -150,3 +151,160 @@ def test_a_20_turn_chat_hits_the_cache_on_every_turn_after_the_first(models, hom
             assert r.stats["cached_tokens"] > 0 and r.stats["draft_cached_tokens"] > 0, turn
         assert r.stats["draft_backend"] == "coreml"
         history = history + r.tokens + ids(3, 100 + turn)
+
+
+def test_a_restore_that_core_ml_refuses_prefills_the_draft_instead(models, home, monkeypatch):
+    strict.install(monkeypatch)
+
+    def refuse(self, name, value):
+        raise RuntimeError("Failed to write state")
+
+    monkeypatch.setattr(strict.FakeState, "write_state", refuse)
+    gen = package_generator(models)
+    ref = package_generator(models, backend="reference", prompt_cache_bytes=0)
+    first = ids(20, 5)
+    answer = gen.generate(first, max_tokens=6).tokens
+    turn = first + answer + [9, 10]
+    r = gen.generate(turn, max_tokens=6)
+    assert r.tokens == ref.generate(turn, max_tokens=6).tokens
+    assert r.stats["cached_tokens"] > 0 and r.stats["draft_cached_tokens"] == 0
+    assert r.stats["draft_backend"] == "coreml" and r.stats["drafted"] > 0
+
+
+# -- falling back to the MLX draft -----------------------------------------------------------------
+
+
+def bundle_like_generator(models, **kw) -> Generator:
+    """A Generator over the pair a bundle gives: the MLX draft and its package, backend auto."""
+    pair = _Pair(
+        load_model(models["verifier"]), load_model(models["draft"]), models["state"], CONTEXT
+    )
+    pair.extra.update(kw)
+    return Generator(pair, "auto")
+
+
+def fallback_lines(capsys) -> list[str]:
+    err = capsys.readouterr().err.splitlines()
+    return [line for line in err if "Core ML draft unavailable" in line]
+
+
+def test_a_chunk_function_that_fails_leaves_load_working_on_the_mlx_draft(
+    models, home, monkeypatch, capsys
+):
+    """The chunk function is predicted at start too: before, its first call came during the
+    cost measurement in Generator.__init__, outside the fallback, and load failed."""
+    strict.install(monkeypatch, fail="chunk")
+    gen = bundle_like_generator(models)
+    assert gen.draft_backend == "mlx"
+    lines = fallback_lines(capsys)
+    assert len(lines) == 1 and "first prediction of chunk" in lines[0], lines
+    assert gen.generate(ids(20, 6), max_tokens=5).stats["drafted"] > 0
+
+
+def test_a_core_ml_failure_during_placement_falls_back(models, home, monkeypatch, capsys):
+    broken = {"on": False}
+    fake = strict.install(
+        monkeypatch, fail=lambda f, i: RuntimeError("ANE gone") if broken["on"] else None
+    )
+    real_init = CoreMLDraftEngine.__init__
+
+    def start_then_break(self, *a, **k):
+        real_init(self, *a, **k)
+        broken["on"] = True  # the engine started; the cost measurement's calls fail
+
+    monkeypatch.setattr(CoreMLDraftEngine, "__init__", start_then_break)
+    gen = bundle_like_generator(models)
+    assert gen.draft_backend == "mlx" and gen.placement is None
+    lines = fallback_lines(capsys)
+    assert len(lines) == 1 and "ANE gone" in lines[0], lines
+    assert "chunk" in fake.predictions
+
+
+def test_core_ml_that_wins_frees_the_mlx_draft_and_a_later_failure_switches_back(
+    models, home, monkeypatch, capsys
+):
+    """Placement picks Core ML here (the stand-in is costed as the concurrent backend): the MLX
+    draft is released; when Core ML fails during a generation, the model moves to the MLX draft
+    (reloaded), the request is answered, and one line says why."""
+    import weakref
+
+    from ondevice.runtime import placement
+
+    broken = {"on": False}
+    strict.install(
+        monkeypatch, fail=lambda f, i: RuntimeError("ANE gone") if broken["on"] else None
+    )
+    monkeypatch.setattr(
+        placement, "choose", lambda v, d, **o: placement.Placement("coreml", True, 4, 1.0)
+    )
+    reloads = []
+
+    def reload():
+        reloads.append(1)
+        return load_model(models["draft"])
+
+    gen = bundle_like_generator(models, reload_draft=reload)
+    assert gen.draft_backend == "coreml" and gen._pair.draft is None
+    ref = package_generator(models, backend="reference", prompt_cache_bytes=0)
+    prompt = ids(20, 7)
+    assert gen.generate(prompt, max_tokens=6).tokens == ref.generate(prompt, max_tokens=6).tokens
+    broken["on"] = True
+    r = gen.generate(prompt + [11], max_tokens=6)
+    assert r.tokens == ref.generate(prompt + [11], max_tokens=6).tokens
+    assert r.stats["draft_backend"] == "mlx" and gen.draft_backend == "mlx" and reloads == [1]
+    lines = fallback_lines(capsys)
+    assert len(lines) == 1 and "ANE gone" in lines[0] and "MLX draft" in lines[0], lines
+    model = weakref.ref(gen.draft.model)
+    assert model() is not None
+    gen.generate(prompt, max_tokens=3)
+    assert fallback_lines(capsys) == []  # once
+
+
+# -- the once-per-package probe in a child process --------------------------------------------------
+
+
+def test_the_probe_runner_reports_a_killed_a_hung_and_a_failing_child():
+    from ondevice.runtime.coreml_probe import run_child
+
+    py = [sys.executable, "-c"]
+    assert run_child([*py, "pass"], 30) is None
+    killed = run_child([*py, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], 30)
+    assert killed is not None and "SIGKILL" in killed
+    hung = run_child([*py, "import time; time.sleep(60)"], 1)
+    assert hung is not None and "did not finish within 1 s" in hung
+    failed = run_child([*py, "import sys; sys.exit('ondevice: Core ML load failed (boom)')"], 30)
+    assert failed == "Core ML load failed (boom)"
+
+
+def test_a_start_that_kills_its_process_costs_one_probe_not_every_launch(
+    models, home, monkeypatch, capsys
+):
+    """On a Mac the draft is first started in a child process: one that dies (a Neural Engine
+    compile killed by the OS) leaves load working on the MLX draft, and the cached verdict makes
+    every later launch skip Core ML without probing again."""
+    from ondevice.runtime import coreml_probe
+
+    fake = strict.install(monkeypatch)
+    monkeypatch.setattr(coreml_probe, "ISOLATE", True)
+    children = []
+
+    def dying_child(package):
+        children.append(package)
+        return [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+
+    monkeypatch.setattr(coreml_probe, "child_argv", dying_child)
+    for launch in range(2):
+        gen = bundle_like_generator(models)
+        assert gen.draft_backend == "mlx", launch
+        lines = fallback_lines(capsys)
+        assert len(lines) == 1 and "SIGKILL" in lines[0], lines
+    assert len(children) == 1 and fake.loaded == []  # never started in-process
+    assert len(list((home / "coreml-probe").iterdir())) == 1
+
+    # a probe that passes lets the draft start in-process, and is not repeated either
+    monkeypatch.setattr(coreml_probe, "macos_build", lambda: "15.5 24F74")  # a new macOS build
+    monkeypatch.setattr(coreml_probe, "child_argv", lambda p: [sys.executable, "-c", "pass"])
+    for _ in range(2):
+        engine = coreml_probe.verdict(models["state"])
+        assert engine is None
+    assert len(list((home / "coreml-probe").iterdir())) == 2

@@ -33,7 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from ondevice.errors import ContextLengthError, CoreMLUnavailableError, OndeviceError
+from ondevice.errors import (
+    ContextLengthError,
+    CoreMLRuntimeError,
+    CoreMLUnavailableError,
+    OndeviceError,
+)
 
 FUNCTIONS = ("decode", "chunk")
 # The float type of arrays the engine hands Core ML: coremltools' native layer converts only
@@ -213,18 +218,18 @@ class CoreMLDraftEngine(_PackageDraftEngine):
                 f"coremltools' native module is missing ({e}): {native_module_hint()}"
             ) from None
         super().__init__(mlpackage)
-        self._step("first prediction", self._first_prediction)
+        self._first_prediction()
 
     @staticmethod
-    def _step(what: str, fn: Callable[[], Any]) -> Any:
+    def _step(
+        what: str, fn: Callable[[], Any], error: type[OndeviceError] = CoreMLUnavailableError
+    ) -> Any:
         try:
             return fn()
         except OndeviceError:
             raise
         except Exception as e:  # coremltools raises bare Exception/RuntimeError/ValueError here
-            raise CoreMLUnavailableError(
-                f"Core ML {what} failed ({type(e).__name__}: {e})"
-            ) from None
+            raise error(f"Core ML {what} failed ({type(e).__name__}: {e})") from None
 
     def _load_functions(self, path: Path, names: Sequence[str]) -> dict[str, Any]:
         import coremltools as ct
@@ -245,12 +250,34 @@ class CoreMLDraftEngine(_PackageDraftEngine):
         return self._step("make_state", super()._make_state)
 
     def _first_prediction(self) -> None:
-        out = self._run("decode", [0], 1)  # writes slot 0: masked, then overwritten
-        if not np.isfinite(self._logits(out, slice(0, 1))).all():
-            raise CoreMLUnavailableError(
-                "Core ML first prediction returned non-finite logits (float16 overflow on the "
-                "Neural Engine?)"
+        """Both functions predicted once (each may fail on its own: the Neural Engine compiles
+        them separately), writing slot 0 only: masked, then overwritten."""
+        for function, ids in (("decode", [0]), ("chunk", [0] * self.chunk)):
+            out = self._step(
+                f"first prediction of {function}",
+                lambda f=function, i=ids: _PackageDraftEngine._run(self, f, i, 1),
             )
+            if not np.isfinite(self._logits(out, slice(0, 1))).all():
+                raise CoreMLUnavailableError(
+                    f"Core ML first prediction of {function} returned non-finite logits "
+                    "(float16 overflow on the Neural Engine?)"
+                )
+
+    # Core ML calls after the start: a failure is a CoreMLRuntimeError, on which the Generator
+    # moves that model to the MLX draft.
+    def _run(self, function: str, ids: list[int], real: int) -> dict[str, np.ndarray]:
+        run = super()._run
+        return self._step(
+            f"{function} prediction", lambda: run(function, ids, real), CoreMLRuntimeError
+        )
+
+    def export_kv(self, n: int) -> dict[str, np.ndarray]:
+        export = super().export_kv
+        return self._step("state read", lambda: export(n), CoreMLRuntimeError)
+
+    def import_kv(self, kv: dict[str, np.ndarray]) -> None:
+        restore = super().import_kv
+        self._step("state write", lambda: restore(kv), CoreMLRuntimeError)
 
 
 def native_module_hint() -> str:
@@ -259,6 +286,20 @@ def native_module_hint() -> str:
         "Python 3.10-3.13 (e.g. `brew install python@3.12` or `uv python install 3.12`) and "
         "reinstall ondevice in a virtualenv made with it."
     )
+
+
+def package_digest(package: Path) -> str:
+    """A digest of a package as Core ML sees it: its path and its files (small ones by content:
+    coremltools rewrites Manifest.json unchanged whenever it opens a package; weights by size
+    and mtime)."""
+    package = Path(package).resolve()
+    key = hashlib.sha256(str(package).encode())
+    for f in sorted(package.rglob("*")):
+        if f.is_file():
+            st = f.stat()
+            stamp = f.read_bytes() if st.st_size < 1 << 20 else f"{st.st_mtime_ns}".encode()
+            key.update(f"{f.relative_to(package)}|{st.st_size}|".encode() + stamp)
+    return key.hexdigest()
 
 
 def compiled_model(package: Path) -> Path:
@@ -271,12 +312,7 @@ def compiled_model(package: Path) -> Path:
     from ondevice.models.hub import cache_dir
 
     package = Path(package).resolve()
-    key = hashlib.sha256(f"{package}|{platform.mac_ver()[0]}".encode())
-    for f in sorted(package.rglob("*")):
-        if f.is_file():
-            st = f.stat()
-            stamp = f.read_bytes() if st.st_size < 1 << 20 else f"{st.st_mtime_ns}".encode()
-            key.update(f"{f.relative_to(package)}|{st.st_size}|".encode() + stamp)
+    key = hashlib.sha256(f"{package_digest(package)}|{platform.mac_ver()[0]}".encode())
     root = cache_dir() / "compiled"
     final = root / f"{key.hexdigest()[:24]}.mlmodelc"
     if final.is_dir():

@@ -179,7 +179,7 @@ def coreml_available() -> bool:
 FALLBACK_RECORD = "coreml-fallback.json"  # in the cache dir: the last fallback, for `doctor`
 
 
-def _fall_back(reason: str, to: str, mlpackage: Path) -> None:
+def fall_back(reason: str, to: str, mlpackage: Path) -> None:
     """One line on stderr, and a note `ondevice doctor` reports."""
     import json
     import sys
@@ -206,8 +206,9 @@ def make_draft_engine(
     """The draft engine for `backend`.
 
     `auto` picks Core ML on a Mac where it runs, else MLX (else the reference executor). On a Mac
-    any Core ML failure (native module, compilation, load, state, first prediction) falls back
-    to the bundle's MLX draft with one line saying why; an explicit `coreml` raises instead.
+    any Core ML failure (native module, compilation, load, state, first prediction of either
+    function, or a start that kills or hangs the probe process of `coreml_probe.verdict`) falls
+    back to the bundle's MLX draft with one line saying why; an explicit `coreml` raises instead.
     """
     import platform
 
@@ -219,9 +220,12 @@ def make_draft_engine(
         )
     if backend in ("auto", "coreml") and mlpackage is not None:
         from ondevice.runtime.coreml_engines import CoreMLDraftEngine
+        from ondevice.runtime.coreml_probe import verdict
 
         on_mac = platform.system() == "Darwin"
         reason = coreml_status()
+        if reason is None:  # a start that kills its process is caught in a child, once
+            reason = verdict(mlpackage)
         if reason is None:
             try:
                 return CoreMLDraftEngine(mlpackage)
@@ -234,7 +238,7 @@ def make_draft_engine(
             )
         fallback = "mlx" if mlx_model is not None else "reference"
         if on_mac:
-            _fall_back(reason, "bundle's MLX" if fallback == "mlx" else "reference", mlpackage)
+            fall_back(reason, "bundle's MLX" if fallback == "mlx" else "reference", mlpackage)
         backend = fallback
     elif backend == "auto":
         backend = "mlx" if mlx_model is not None else "reference"
