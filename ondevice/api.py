@@ -18,9 +18,10 @@ from ondevice.errors import CoreMLRuntimeError, CoreMLUnavailableError, Ondevice
 from ondevice.models import LoadedModel, load_model
 from ondevice.models.tokenizer import Tokenizer, check_pair
 from ondevice.results import Chunk, GenerationResult
+from ondevice.runtime.coreml_engines import fall_back
 from ondevice.runtime.decoders import METHODS as METHODS
 from ondevice.runtime.decoders import check_method, make_decoder
-from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, fall_back, make_draft_engine
+from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engine
 from ondevice.runtime.placement import Placement, place_draft
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
 from ondevice.speculative.sampling import Grammar, SamplingParams, Transform

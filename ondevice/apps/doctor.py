@@ -77,7 +77,9 @@ def _mlx(warnings: list[str]) -> dict[str, Any]:
     try:
         import mlx.core as mx
     except ImportError as e:
-        warnings.append(f"MLX cannot be imported ({e}); install it: pip install 'mlx[cpu]' (Linux)")
+        from ondevice.runtime.mlx_check import mlx_missing
+
+        warnings.append(mlx_missing(e))
         return {"available": False, "error": str(e)}
     return {
         "available": True,
@@ -94,7 +96,7 @@ PREDICTION_MODULE = "libcoremlpython"
 
 
 def _coreml(warnings: list[str]) -> dict[str, Any]:
-    from ondevice.runtime.engines import coreml_status
+    from ondevice.runtime.coreml_engines import coreml_status
 
     reason = coreml_status()
     native = {name: _native_module(name) for name in (*CONVERSION_MODULES, PREDICTION_MODULE)}
@@ -142,7 +144,7 @@ def _native_module(name: str) -> str:
 def _last_fallback() -> dict[str, Any] | None:
     """The last time a draft fell back from Core ML, and why (written by the draft engine)."""
     from ondevice.models.hub import cache_dir
-    from ondevice.runtime.engines import FALLBACK_RECORD
+    from ondevice.runtime.coreml_engines import FALLBACK_RECORD
 
     try:
         return json.loads((cache_dir() / FALLBACK_RECORD).read_text())

@@ -27,6 +27,7 @@ import hashlib
 import os
 import platform
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -281,6 +282,10 @@ class CoreMLDraftEngine(_PackageDraftEngine):
 
 
 def native_module_hint() -> str:
+    if platform.system() == "Darwin" and platform.machine() != "arm64":
+        from ondevice.runtime.mlx_check import install_hint
+
+        return install_hint()
     return (
         f"coremltools has no native build for Python {platform.python_version()} here; use "
         "Python 3.10-3.13 (e.g. `brew install python@3.12` or `uv python install 3.12`) and "
@@ -329,3 +334,52 @@ def compiled_model(package: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+# -- where Core ML runs, and what happens when it does not ------------------------------------
+
+
+def coreml_status() -> str | None:
+    """None where Core ML prediction runs (macOS 15+ with coremltools' native module), else
+    why not, in a sentence."""
+    import importlib
+
+    if platform.system() != "Darwin":
+        return f"Core ML prediction needs macOS ({platform.system()} here)"
+    version = platform.mac_ver()[0]
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        return f"unknown macOS version {version!r}"
+    if major < 15:
+        return f"macOS {version}: Core ML drafts (states, multifunction) need macOS 15 or newer"
+    try:
+        importlib.import_module("coremltools.libcoremlpython")
+    except ImportError as e:
+        return f"coremltools' native module is missing ({e}): {native_module_hint()}"
+    return None
+
+
+def coreml_available() -> bool:
+    """True where Core ML prediction runs: macOS 15 or newer with coremltools' native module."""
+    return coreml_status() is None
+
+
+FALLBACK_RECORD = "coreml-fallback.json"  # in the cache dir: the last fallback, for `doctor`
+
+
+def fall_back(reason: str, to: str, mlpackage: Path) -> None:
+    """One line on stderr, and a note `ondevice doctor` reports."""
+    import json
+    import sys
+
+    from ondevice.models.hub import cache_dir
+
+    print(f"ondevice: Core ML draft unavailable ({reason}); using the {to} draft.", file=sys.stderr)
+    try:
+        root = cache_dir()
+        root.mkdir(parents=True, exist_ok=True)
+        record = {"reason": reason, "fallback": to, "package": str(mlpackage), "time": time.time()}
+        (root / FALLBACK_RECORD).write_text(json.dumps(record))
+    except OSError:
+        pass  # a read-only cache must not stop generation

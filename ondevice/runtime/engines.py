@@ -17,6 +17,12 @@ import mlx.core as mx
 import numpy as np
 
 from ondevice.models.transformer import Model
+from ondevice.runtime.coreml_engines import (  # noqa: F401  (their old home)
+    FALLBACK_RECORD,
+    coreml_available,
+    coreml_status,
+    fall_back,
+)
 from ondevice.speculative.engine import Engine
 
 __all__ = [
@@ -145,55 +151,6 @@ def tree_engine(engine: Engine) -> Engine:
 
 
 DRAFT_BACKENDS = ("auto", "coreml", "reference", "mlx")
-
-
-def coreml_status() -> str | None:
-    """None where Core ML prediction runs (macOS 15+ with coremltools' native module), else
-    why not, in a sentence."""
-    import importlib
-    import platform
-
-    if platform.system() != "Darwin":
-        return f"Core ML prediction needs macOS ({platform.system()} here)"
-    version = platform.mac_ver()[0]
-    try:
-        major = int(version.split(".")[0])
-    except ValueError:
-        return f"unknown macOS version {version!r}"
-    if major < 15:
-        return f"macOS {version}: Core ML drafts (states, multifunction) need macOS 15 or newer"
-    try:
-        importlib.import_module("coremltools.libcoremlpython")
-    except ImportError as e:
-        from ondevice.runtime.coreml_engines import native_module_hint
-
-        return f"coremltools' native module is missing ({e}): {native_module_hint()}"
-    return None
-
-
-def coreml_available() -> bool:
-    """True where Core ML prediction runs: macOS 15 or newer with coremltools' native module."""
-    return coreml_status() is None
-
-
-FALLBACK_RECORD = "coreml-fallback.json"  # in the cache dir: the last fallback, for `doctor`
-
-
-def fall_back(reason: str, to: str, mlpackage: Path) -> None:
-    """One line on stderr, and a note `ondevice doctor` reports."""
-    import json
-    import sys
-
-    from ondevice.models.hub import cache_dir
-
-    print(f"ondevice: Core ML draft unavailable ({reason}); using the {to} draft.", file=sys.stderr)
-    try:
-        root = cache_dir()
-        root.mkdir(parents=True, exist_ok=True)
-        record = {"reason": reason, "fallback": to, "package": str(mlpackage), "time": time.time()}
-        (root / FALLBACK_RECORD).write_text(json.dumps(record))
-    except OSError:
-        pass  # a read-only cache must not stop generation
 
 
 def make_draft_engine(
