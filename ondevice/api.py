@@ -281,6 +281,12 @@ class Generator:
             weakref.finalize(self, self._worker.stop)
         return self._worker
 
+    def close(self) -> None:
+        """End the model's generation thread, waiting for it (a later call starts a new one)."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
+
     def _call(self, fn: Callable[[], Any]) -> Any:
         """fn() on the model's thread (it may touch the caches); its result or exception."""
         return self._thread().call(fn)
