@@ -267,12 +267,12 @@ def test_the_probe_runner_reports_a_killed_a_hung_and_a_failing_child():
     from ondevice.runtime.coreml_probe import run_child
 
     py = [sys.executable, "-c"]
-    assert run_child([*py, "pass"], 30) is None
-    killed = run_child([*py, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], 30)
+    assert run_child([*py, "print('fine')"], 30) == (None, "fine\n")
+    killed, _ = run_child([*py, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], 30)
     assert killed is not None and "SIGKILL" in killed
-    hung = run_child([*py, "import time; time.sleep(60)"], 1)
+    hung, _ = run_child([*py, "import time; time.sleep(60)"], 1)
     assert hung is not None and "did not finish within 1 s" in hung
-    failed = run_child([*py, "import sys; sys.exit('ondevice: Core ML load failed (boom)')"], 30)
+    failed, _ = run_child([*py, "import sys; sys.exit('ondevice: Core ML load failed (boom)')"], 30)
     assert failed == "Core ML load failed (boom)"
 
 
@@ -301,10 +301,39 @@ def test_a_start_that_kills_its_process_costs_one_probe_not_every_launch(
     assert len(children) == 1 and fake.loaded == []  # never started in-process
     assert len(list((home / "coreml-probe").iterdir())) == 1
 
-    # a probe that passes lets the draft start in-process, and is not repeated either
+    # a probe that passes lets the draft start in-process, and is not repeated either; where
+    # the compute plan puts most of a function off the Neural Engine, the first load says so
     monkeypatch.setattr(coreml_probe, "macos_build", lambda: "15.5 24F74")  # a new macOS build
-    monkeypatch.setattr(coreml_probe, "child_argv", lambda p: [sys.executable, "-c", "pass"])
-    for _ in range(2):
-        engine = coreml_probe.verdict(models["state"])
-        assert engine is None
+    report = '{"plan_warnings": ["chunk plans only 20% of its cost on the Neural Engine"]}'
+    child = [sys.executable, "-c", f"print('compiling'); print({report!r})"]
+    monkeypatch.setattr(coreml_probe, "child_argv", lambda p: child)
+    capsys.readouterr()
+    for launch in range(2):
+        assert coreml_probe.verdict(models["state"]) is None
+        warned = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+        assert len(warned) == (1 - launch), warned
+        if not launch:
+            assert "chunk plans only 20% of its cost on the Neural Engine" in warned[0]
     assert len(list((home / "coreml-probe").iterdir())) == 2
+
+
+def test_the_probe_child_reports_the_compute_plan(models, home, monkeypatch, capsys):
+    """The child's side, in-process: start the engine, then the plan's warnings as JSON."""
+    from collections import Counter
+
+    from ondevice.convert import lint
+    from ondevice.runtime import coreml_probe
+
+    strict.install(monkeypatch)
+    plans = {
+        "decode": lint.Placement({"NeuralEngine": Counter(conv=9)}, {"NeuralEngine": 1.0}),
+        "chunk": lint.Placement({"CPU": Counter(conv=9)}, {"CPU": 0.9, "NeuralEngine": 0.1}),
+    }
+    monkeypatch.setattr(lint, "compute_plan", lambda path: plans)
+    assert coreml_probe.main([str(models["state"])]) == 0
+    assert coreml_probe.plan_warnings(capsys.readouterr().out) == [
+        "chunk plans only 10% of its cost on the Neural Engine"
+    ]
+    strict.install(monkeypatch, fail="chunk")
+    assert coreml_probe.main([str(models["state"])]) == 1
+    assert "first prediction of chunk" in capsys.readouterr().err

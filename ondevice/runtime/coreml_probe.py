@@ -29,26 +29,27 @@ TIMEOUT_S = 900.0
 ISOLATE = sys.platform == "darwin"  # a child can prove Core ML only where it runs
 
 
-def run_child(argv: list[str], timeout: float) -> str | None:
-    """Run `argv`; None when it exits with 0, else why not, in a sentence: the signal that
-    killed it, the timeout it ran past, or the last line it wrote to stderr."""
+def run_child(argv: list[str], timeout: float) -> tuple[str | None, str]:
+    """Run `argv`: (None when it exits with 0, else why not, in a sentence: the signal that
+    killed it, the timeout it ran past, or the last line it wrote to stderr; its stdout)."""
     try:
         proc = subprocess.run(
             argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:  # subprocess.run has killed and reaped the child
-        return f"the Core ML probe did not finish within {timeout:g} s"
+        return f"the Core ML probe did not finish within {timeout:g} s", ""
     if proc.returncode == 0:
-        return None
+        return None, proc.stdout
     if proc.returncode < 0:
         try:
             name = signal.Signals(-proc.returncode).name
         except ValueError:
             name = f"signal {-proc.returncode}"
-        return f"the Core ML probe process was killed by {name} (a Neural Engine compile crash?)"
+        why = f"the Core ML probe process was killed by {name} (a Neural Engine compile crash?)"
+        return why, proc.stdout
     lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
     last = lines[-1] if lines else f"exit status {proc.returncode}"
-    return last.removeprefix("ondevice: ")
+    return last.removeprefix("ondevice: "), proc.stdout
 
 
 def child_argv(package: Path) -> list[str]:
@@ -101,10 +102,22 @@ def verdict(package: str | Path, timeout: float | None = None) -> str | None:
         file=sys.stderr,
         flush=True,
     )
-    reason = run_child(child_argv(package), timeout)
+    reason, out = run_child(child_argv(package), timeout)
     if reason is not None:
         reason += f" [verdict cached in {path}; delete it to probe again]"
-    record = {"reason": reason, "package": str(package), "time": time.time()}
+    warnings = plan_warnings(out)
+    for w in warnings:  # once, at the first load: the verdict is cached
+        print(
+            f"ondevice: warning: the Core ML draft's {w}; it may draft slower than the MLX draft "
+            "(see `ondevice-convert --check`).",
+            file=sys.stderr,
+        )
+    record = {
+        "reason": reason,
+        "plan_warnings": warnings,
+        "package": str(package),
+        "time": time.time(),
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -115,8 +128,18 @@ def verdict(package: str | Path, timeout: float | None = None) -> str | None:
     return reason
 
 
+def plan_warnings(stdout: str) -> list[str]:
+    """The compute-plan warnings the child reported (its last stdout line, JSON)."""
+    lines = stdout.strip().splitlines()
+    try:
+        return [str(w) for w in json.loads(lines[-1])["plan_warnings"]]
+    except (IndexError, ValueError, KeyError, TypeError):
+        return []
+
+
 def main(argv: list[str]) -> int:
-    """The child: start the Core ML draft engine at argv[0]; exit 0 when it starts."""
+    """The child: start the Core ML draft engine at argv[0] (exit 0 when it starts), then
+    report where Core ML plans each function's cost, as JSON on the last stdout line."""
     from ondevice.errors import OndeviceError
     from ondevice.runtime.coreml_engines import CoreMLDraftEngine
 
@@ -125,6 +148,13 @@ def main(argv: list[str]) -> int:
     except OndeviceError as e:
         print(f"ondevice: {e}", file=sys.stderr)
         return 1
+    try:
+        from ondevice.convert import lint
+
+        warnings = lint.off_neural_engine(lint.compute_plan(argv[0]))
+    except Exception:  # the plan is advice: a failure to make one must not fail the draft
+        warnings = []
+    print(json.dumps({"plan_warnings": warnings}))
     return 0
 
 
