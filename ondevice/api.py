@@ -22,6 +22,7 @@ from ondevice.runtime.coreml_engines import fall_back
 from ondevice.runtime.decoders import METHODS as METHODS
 from ondevice.runtime.decoders import check_method, make_decoder
 from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engine
+from ondevice.runtime.memory import apply_metal_limits, param_bytes
 from ondevice.runtime.placement import Placement, place_draft
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
 from ondevice.speculative.sampling import Grammar, SamplingParams, Transform
@@ -91,6 +92,10 @@ class Generator:
                     pair.draft = None  # the losing MLX draft's memory goes back (8 GB Macs)
                     mx.clear_cache()
         self.draft_backend = self.draft.name if self.draft is not None else None
+        draft_mlx = self.draft.model if isinstance(self.draft, MLXEngine) else None
+        apply_metal_limits(
+            param_bytes(self.verifier.model) + (param_bytes(draft_mlx) if draft_mlx else 0)
+        )
         self._lock = threading.Lock()  # one generation at a time per loaded model
         # The model's generation thread: every generation runs there, so the KV caches (whose
         # MLX arrays belong to the thread's stream) outlive a call and the prompt cache can
