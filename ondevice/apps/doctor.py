@@ -29,10 +29,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Report platform, MLX, Core ML, the BLAS in use and the ondevice cache.",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    mac = p.add_argument_group(
+        "--mac-check",
+        "convert the draft with each compression, probe Core ML compile and placement, time a "
+        "draft step on the Neural Engine and on the GPU and verifier passes; write one JSON",
+    )
+    mac.add_argument("--mac-check", action="store_true", help="run the Mac check (minutes)")
+    mac.add_argument("--model", help="verifier (default: the default pair's)")
+    mac.add_argument("--draft", help="draft model (default: the default pair's)")
+    mac.add_argument("--compressions", help="comma-separated (default: all)")
+    mac.add_argument("--out", default="ondevice-mac-check.json", help="default %(default)s")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "mac_check", False):
+        from ondevice.apps import mac_check
+
+        return mac_check.main(args)
     report = collect()
     if args.json:
         print(json.dumps(report, indent=2))
