@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     mac.add_argument("--mac-check", action="store_true", help="run the Mac check (minutes)")
     mac.add_argument("--model", help="verifier (default: the default pair's)")
-    mac.add_argument("--draft", help="draft model (default: the default pair's)")
+    mac.add_argument("--draft", "--draft-model", help="draft model (default: the default pair's)")
     mac.add_argument("--compressions", help="comma-separated (default: all)")
     mac.add_argument("--out", default="ondevice-mac-check.json", help="default %(default)s")
     p.set_defaults(func=run)
