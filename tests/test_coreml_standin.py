@@ -337,3 +337,25 @@ def test_the_probe_child_reports_the_compute_plan(models, home, monkeypatch, cap
     strict.install(monkeypatch, fail="chunk")
     assert coreml_probe.main([str(models["state"])]) == 1
     assert "first prediction of chunk" in capsys.readouterr().err
+
+
+def test_conversion_on_a_mac_checks_the_compute_plan(models, tmp_path, monkeypatch, capsys):
+    from collections import Counter
+
+    from ondevice.convert import coreml, lint
+
+    plans = {
+        "decode": lint.Placement({"NeuralEngine": Counter(conv=9)}, {"NeuralEngine": 1.0}),
+        "chunk": lint.Placement({"CPU": Counter(conv=9)}, {"CPU": 0.7, "NeuralEngine": 0.3}),
+    }
+    monkeypatch.setattr(coreml, "_core_ml_can_plan", lambda: True)
+    monkeypatch.setattr(lint, "compute_plan", lambda path: plans)
+    draft = load_model(models["draft"])
+    weights = {k: np.array(x.astype(mx.float32)) for k, x in tree_flatten(draft.model.parameters())}
+    desc = convert_draft(
+        draft.config, weights, tmp_path / "d.mlpackage", context=CONTEXT, chunk=CHUNK
+    )
+    assert desc["neural_engine_share"] == {"decode": 1.0, "chunk": 0.3}
+    err = capsys.readouterr().err
+    assert "warning: chunk plans only 30% of its cost on the Neural Engine" in err
+    assert "warning: decode" not in err
