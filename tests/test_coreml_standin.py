@@ -359,3 +359,25 @@ def test_conversion_on_a_mac_checks_the_compute_plan(models, tmp_path, monkeypat
     err = capsys.readouterr().err
     assert "warning: chunk plans only 30% of its cost on the Neural Engine" in err
     assert "warning: decode" not in err
+
+
+def test_the_package_drafts_cost_profile_key_follows_its_contents_and_the_os(
+    models, tmp_path, monkeypatch
+):
+    """A profile measured for one package (or macOS version) must not place another: the key
+    was the path alone, so a re-converted draft (another compression) reused stale costs."""
+    import platform
+    import shutil
+
+    from ondevice.runtime.treecost import engine_key
+
+    pkg = tmp_path / "d.mlpackage"
+    shutil.copytree(models["state"], pkg)
+    before = engine_key(ReferenceDraftEngine(pkg))
+    assert engine_key(ReferenceDraftEngine(pkg)) == before
+    shutil.rmtree(pkg)
+    shutil.copytree(models["io"], pkg)  # another package at the same path
+    assert engine_key(ReferenceDraftEngine(pkg)) != before
+    again = engine_key(ReferenceDraftEngine(pkg))
+    monkeypatch.setattr(platform, "mac_ver", lambda: ("15.5", ("", "", ""), "arm64"))
+    assert engine_key(ReferenceDraftEngine(pkg)) != again
