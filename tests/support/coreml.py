@@ -141,9 +141,10 @@ class StrictCoreML:
                 if fake.fail == "compile":
                     raise RuntimeError('{NSLocalizedDescription = "Failed to compile";}')
                 fake.compiled.append(path)
-                out = Path(tempfile.mkdtemp()) / (Path(path).stem + ".mlmodelc")
+                out = tempfile.mkdtemp(suffix=".mlmodelc")  # as Core ML: a temporary folder
+                shutil.rmtree(out)
                 shutil.copytree(path, out)
-                return str(out)
+                return out
 
             @staticmethod
             def maximum_supported_specification_version() -> int:
