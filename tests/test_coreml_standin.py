@@ -381,3 +381,18 @@ def test_the_package_drafts_cost_profile_key_follows_its_contents_and_the_os(
     again = engine_key(ReferenceDraftEngine(pkg))
     monkeypatch.setattr(platform, "mac_ver", lambda: ("15.5", ("", "", ""), "arm64"))
     assert engine_key(ReferenceDraftEngine(pkg)) != again
+
+
+def test_a_saved_prompt_restores_the_core_ml_state(models, home, monkeypatch, tmp_path):
+    """`save_prompt_cache` / `load_prompt_cache` with the Core ML draft: the saved KV goes back
+    into the state through write_state (float32, as the native layer requires)."""
+    strict.install(monkeypatch)
+    gen = package_generator(models)
+    ref = package_generator(models, backend="reference", prompt_cache_bytes=0)
+    first = ids(30, 9)
+    assert gen.save_prompt_cache(tmp_path / "doc.kv", first) == len(first)
+    fresh = package_generator(models)
+    assert fresh.load_prompt_cache(tmp_path / "doc.kv") == len(first)
+    r = fresh.generate(first + [7, 8], max_tokens=8, temperature=0.8, seed=3)
+    assert r.stats["draft_cached_tokens"] == len(first) and r.stats["draft_backend"] == "coreml"
+    assert r.tokens == ref.generate(first + [7, 8], max_tokens=8, temperature=0.8, seed=3).tokens
