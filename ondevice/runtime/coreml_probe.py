@@ -96,7 +96,10 @@ def verdict(package: str | Path, timeout: float | None = None) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         pass  # no verdict yet (or an unreadable one): probe
     if timeout is None:
-        timeout = float(os.environ.get("ONDEVICE_COREML_PROBE_TIMEOUT", TIMEOUT_S))
+        try:
+            timeout = float(os.environ.get("ONDEVICE_COREML_PROBE_TIMEOUT", TIMEOUT_S))
+        except ValueError:
+            timeout = TIMEOUT_S  # a malformed override must not stop the load
     print(
         "ondevice: compiling the draft for the Neural Engine (first time only)...",
         file=sys.stderr,
