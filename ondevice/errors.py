@@ -31,3 +31,7 @@ class ConversionError(OndeviceError):
 
 class CoreMLUnavailableError(OndeviceError):
     """Core ML cannot run the draft here (native module, compilation, load, state, prediction)."""
+
+
+class CoreMLRuntimeError(CoreMLUnavailableError):
+    """Core ML failed after the draft had started (a prediction, a state read or write)."""
