@@ -14,14 +14,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import CoreMLRuntimeError, CoreMLUnavailableError, OndeviceError
 from ondevice.models import LoadedModel, load_model
 from ondevice.models.tokenizer import Tokenizer, check_pair
 from ondevice.results import Chunk, GenerationResult
+from ondevice.runtime.coreml_engines import fall_back
 from ondevice.runtime.decoders import METHODS as METHODS
 from ondevice.runtime.decoders import check_method, make_decoder
 from ondevice.runtime.drift import DriftMonitor, check_domain, read_baseline, state_key
 from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engine
+from ondevice.runtime.memory import apply_metal_limits, param_bytes
 from ondevice.runtime.placement import Placement, place_draft
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
 from ondevice.speculative.sampling import Grammar, SamplingParams, Transform
@@ -78,13 +80,23 @@ class Generator:
                 context_length=pair.draft_context,
             )
             if draft_backend == "auto" and self.draft.name == "coreml" and pair.draft:
-                mlx = make_draft_engine(
-                    "mlx", mlx_model=pair.draft.model, mlpackage=None,
-                    context_length=pair.draft_context,
-                )  # fmt: skip
-                engines = {"coreml": self.draft, "mlx": mlx}
-                self.draft, self.placement = place_draft(self.verifier, engines)
+                mlx = MLXEngine(pair.draft.model, pair.draft_context)
+                try:  # placement runs both functions too: a failure there falls back as well
+                    self.draft, self.placement = place_draft(
+                        self.verifier, {"coreml": self.draft, "mlx": mlx}
+                    )
+                except CoreMLUnavailableError as e:
+                    fall_back(str(e), "bundle's MLX", pair.mlpackage)  # type: ignore[arg-type]
+                    self.draft = mlx
+                del mlx
+                if self.draft.name == "coreml" and "reload_draft" in pair.extra:
+                    pair.draft = None  # the losing MLX draft's memory goes back (8 GB Macs)
+                    mx.clear_cache()
         self.draft_backend = self.draft.name if self.draft is not None else None
+        draft_mlx = self.draft.model if isinstance(self.draft, MLXEngine) else None
+        apply_metal_limits(
+            param_bytes(self.verifier.model) + (param_bytes(draft_mlx) if draft_mlx else 0)
+        )
         # The model's generation thread: every generation runs there, so the KV caches (whose
         # MLX arrays belong to the thread's stream) outlive a call and the prompt cache can
         # reuse them. Started on first use. Its job queue is also the line of callers: a
@@ -97,7 +109,7 @@ class Generator:
         # the pair's rolling acceptance against the one its bundle recorded (runtime/drift.py)
         from ondevice.models.hub import cache_dir
 
-        drafts = pair.draft.path if pair.draft else pair.mlpackage
+        drafts = pair.mlpackage or (pair.draft.path if pair.draft else None)
         self.drift = DriftMonitor(
             pair.extra.get("baseline"),
             model=self.model_name,
@@ -297,11 +309,23 @@ class Generator:
         bucket = self.drift.bucket(domain) if comparable else None
 
         def job() -> Iterator[Chunk]:
-            dec = self._decoder(params, seed, num_draft_tokens, speculative, method, pipeline)
-            draft = self.draft if speculative else None
-            return self._cached_stream(
-                dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket
-            )
+            for retry in (False, True):
+                dec = self._decoder(params, seed, num_draft_tokens, speculative, method, pipeline)
+                draft = self.draft if speculative else None
+                started = False
+                try:
+                    for chunk in self._cached_stream(
+                        dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket
+                    ):
+                        started = True
+                        yield chunk
+                    return
+                except CoreMLRuntimeError as e:
+                    # Core ML failed mid-use: this model moves to the MLX draft; a request
+                    # that has sent nothing yet starts again on it
+                    self._leave_core_ml(str(e))
+                    if started or retry:
+                        raise
 
         # Queued on the model's thread behind the generations asked for earlier (by any
         # thread); the job never waits for its consumer, so a caller that starts a second
@@ -315,6 +339,12 @@ class Generator:
             self._worker = Worker("ondevice-generate")
             weakref.finalize(self, self._worker.stop)
         return self._worker
+
+    def close(self) -> None:
+        """End the model's generation thread, waiting for it (a later call starts a new one)."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         """fn() on the model's thread (it may touch the caches); its result or exception."""
@@ -357,6 +387,26 @@ class Generator:
                     seq, self.verifier, draft, len(seq), dec.draft_prefix_length()
                 )
             self._reset_engines()
+
+    def _leave_core_ml(self, reason: str) -> None:
+        """Move the draft off Core ML for good (on the model's thread): to the bundle's MLX
+        draft, else to the reference executor of the same package; one line says why."""
+        if self.draft is None or self.draft.name != "coreml":
+            return
+        pair = self._pair
+        if pair.draft is None and "reload_draft" in pair.extra:
+            pair.draft = pair.extra["reload_draft"]()
+        to = "bundle's MLX" if pair.draft is not None else "reference"
+        fall_back(reason, to, pair.mlpackage)  # type: ignore[arg-type]
+        self.draft = make_draft_engine(
+            "mlx" if pair.draft is not None else "reference",
+            mlx_model=pair.draft.model if pair.draft is not None else None,
+            mlpackage=pair.mlpackage,
+            context_length=pair.draft_context,
+        )
+        self.draft_backend = self.draft.name
+        self.placement = None
+        self._fingerprints = None
 
     def _reset_engines(self) -> None:
         self.verifier.reset()
@@ -486,6 +536,10 @@ def _bundle_draft(pair: _Pair, b: Any, opts: dict[str, Any]) -> None:
     pair.draft = load_model(b.draft_mlx_dir, **opts) if b.draft_mlx_dir else None
     pair.mlpackage, pair.draft_context = b.mlpackage, b.context_length
     pair.extra["baseline"] = read_baseline(b.manifest, b.path / MANIFEST)
+    if pair.draft is not None:  # the Generator frees the MLX draft when Core ML wins
+        pair.extra["reload_draft"] = lambda: load_model(b.draft_mlx_dir, **opts)
+    else:
+        pair.extra.pop("reload_draft", None)
 
 
 def load(
@@ -553,7 +607,8 @@ def load(
         else:
             pair.draft = load_model(draft_path, **opts)
             pair.mlpackage = None
-            pair.extra.pop("baseline", None)
+            for key in ("reload_draft", "baseline"):
+                pair.extra.pop(key, None)
     if pair.draft is not None:
         check_pair(pair.verifier.tokenizer, pair.draft.tokenizer, pair.draft.config.vocab_size)
     gen = Generator(pair, draft_backend, prompt_cache_bytes)

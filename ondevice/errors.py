@@ -37,9 +37,13 @@ class CoreMLUnavailableError(OndeviceError):
     """Core ML cannot run the draft here (native module, compilation, load, state, prediction)."""
 
 
+class CoreMLRuntimeError(CoreMLUnavailableError):
+    """Core ML failed after the draft had started (a prediction, a state read or write)."""
+
+
 def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """ " Did you mean 'x'?" naming the known names closest to a mistyped `name` (difflib's
-    ratio, as git and pip suggest), or "" when none is close."""
+    """A hint naming the known names closest to a mistyped `name` (difflib's ratio, as git and
+    pip suggest): " Did you mean 'x'?", or "" when none is close."""
     import difflib
 
     close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)

@@ -61,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     except OndeviceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "mlx":
+            raise
+        from ondevice.runtime.mlx_check import mlx_missing
+
+        print(f"error: {mlx_missing(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

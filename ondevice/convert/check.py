@@ -89,13 +89,8 @@ def _check_draft(mlpackage: Path) -> int:
             _print("  compute plan (MLComputePlan, one per function):")
             for line in _plan_lines(plan):
                 _print(f"    {line}")
-            for fn, placement in plan.items() if isinstance(plan, dict) else ():
-                share = getattr(placement, "share", None)
-                if share is not None and share("NeuralEngine") < 0.5:
-                    _print(
-                        f"  warning: {fn} plans only {100 * share('NeuralEngine'):.0f}% of its "
-                        "cost on the Neural Engine"
-                    )
+            for warning in lint.off_neural_engine(plan) if isinstance(plan, dict) else ():
+                _print(f"  warning: {warning}")
     elif sys.platform == "darwin":
         _print("  compute plan: not available in this build")
     else:

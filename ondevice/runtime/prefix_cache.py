@@ -226,7 +226,11 @@ class PrefixCache:
             self._entries.move_to_end(key)
         put(verifier, e.verifier, nv, move)  # type: ignore[arg-type]
         if nd:
-            put(draft, e.draft, nd, move)  # type: ignore[arg-type]
+            try:
+                put(draft, e.draft, nd, move)  # type: ignore[arg-type]
+            except Exception:  # e.g. Core ML refusing a state write: the draft prefills instead
+                draft.reset()  # type: ignore[union-attr]
+                nd = 0
         self.hits += 1
         self.cached_tokens += nv
         return Restored(nv, nd)
