@@ -9,6 +9,8 @@ import contextlib
 import threading
 import time
 
+import pytest
+
 PROMPTS = ["hello there", "count: 1 2 3", "abc abc abc", "why?", "the end", "more text"]
 
 
@@ -38,29 +40,42 @@ def test_threads_queue_and_get_the_sequential_answers(gen):
     assert [results[i] for i in range(len(PROMPTS))] == expected
 
 
-def test_turns_are_first_come_first_served(gen):
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory):
+    """A model that never ends an answer: a long generation keeps the line waiting."""
+    import tiny
+
+    import ondevice
+
+    path = tmp_path_factory.mktemp("endless") / "m"
+    return ondevice.load(tiny.write_endless_model(path, context=8192))
+
+
+def _queued(gen) -> int:
+    return gen._worker._jobs.qsize()  # generations waiting behind the running one
+
+
+def test_turns_are_first_come_first_served(endless):
     order: list[int] = []
-    first = gen.stream("hello there", max_tokens=16)
-    next(first)  # the first generation runs now
-    started = []
+    first = endless.stream("hello there", max_tokens=3000)  # seconds of work
+    next(first)
 
     def call(i: int) -> None:
-        started.append(i)
-        gen.generate(PROMPTS[i], max_tokens=4)
+        endless.generate(PROMPTS[i], max_tokens=4)
         order.append(i)
 
     threads = []
     for i in range(1, 4):
-        t = threading.Thread(target=call, args=(i,))
-        t.start()
-        threads.append(t)
-        while len(started) < i:  # arrival order is the start order
+        threads.append(threading.Thread(target=call, args=(i,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 30
+        while _queued(endless) < i:  # its generation is in line before the next thread starts
+            assert time.monotonic() < deadline
             time.sleep(0.001)
-        time.sleep(0.05)  # and its job is queued before the next thread starts
     rest = list(first)
     for t in threads:
         t.join(timeout=60)
-    assert rest and rest[-1].stats is not None
+    assert rest[-1].stats["generation_tokens"] == 3000
     assert order == [1, 2, 3]
 
 
@@ -85,12 +100,7 @@ def test_astream_queues_behind_a_thread(gen):
     assert list(first)[-1].stats is not None
 
 
-def test_a_task_that_leaves_the_line_does_not_wait_for_the_model(tmp_path):
-    import tiny
-
-    import ondevice
-
-    endless = ondevice.load(tiny.write_endless_model(tmp_path / "endless", context=8192))
+def test_a_task_that_leaves_the_line_does_not_wait_for_the_model(endless):
     expected = endless.generate("abc", max_tokens=8).tokens
     first = endless.stream("hello there", max_tokens=4000)  # seconds of work
     next(first)
@@ -102,7 +112,8 @@ def test_a_task_that_leaves_the_line_does_not_wait_for_the_model(tmp_path):
                 pass
 
         task = asyncio.create_task(read())
-        await asyncio.sleep(0.2)  # queued behind the first generation
+        while _queued(endless) < 1:  # queued behind the first generation
+            await asyncio.sleep(0.001)
         t0 = time.perf_counter()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
