@@ -21,6 +21,7 @@ from ondevice.results import Chunk, GenerationResult
 from ondevice.runtime.coreml_engines import fall_back
 from ondevice.runtime.decoders import METHODS as METHODS
 from ondevice.runtime.decoders import check_method, make_decoder
+from ondevice.runtime.drift import DriftMonitor, check_domain, read_baseline, state_key
 from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engine
 from ondevice.runtime.memory import apply_metal_limits, param_bytes
 from ondevice.runtime.placement import Placement, place_draft
@@ -96,14 +97,25 @@ class Generator:
         apply_metal_limits(
             param_bytes(self.verifier.model) + (param_bytes(draft_mlx) if draft_mlx else 0)
         )
-        self._lock = threading.Lock()  # one generation at a time per loaded model
         # The model's generation thread: every generation runs there, so the KV caches (whose
         # MLX arrays belong to the thread's stream) outlive a call and the prompt cache can
-        # reuse them. Started on first use.
+        # reuse them. Started on first use. Its job queue is also the line of callers: a
+        # generation asked for while another runs waits its turn (first come, first served).
         self._worker: Worker | None = None
         self.prompt_cache = PrefixCache(prompt_cache_bytes)
         self._ll_tokenizer: Any = None  # llguidance's view of the vocabulary, for grammars
         self._fingerprints: dict[str, str] | None = None
+        self._marks: tuple[str | None, str, tuple[str, ...]] | None = None  # _template_marks
+        # the pair's rolling acceptance against the one its bundle recorded (runtime/drift.py)
+        from ondevice.models.hub import cache_dir
+
+        drafts = pair.mlpackage or (pair.draft.path if pair.draft else None)
+        self.drift = DriftMonitor(
+            pair.extra.get("baseline"),
+            model=self.model_name,
+            key=state_key(str(pair.verifier.path), str(drafts or "")),
+            state_dir=cache_dir() / "drift",
+        )
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -126,6 +138,8 @@ class Generator:
         tok = self.tokenizer
         if isinstance(prompt, str):
             if chat_template and tok.chat_template:
+                if self.is_templated(prompt):  # rendered already: templating again doubles it
+                    return tok.encode(prompt, add_special_tokens=False)
                 text = tok.apply_chat_template([{"role": "user", "content": prompt}], **chat)
                 return tok.encode(text, add_special_tokens=False)
             return tok.encode(prompt)
@@ -148,6 +162,34 @@ class Generator:
         raise OndeviceError(
             "prompt must be a string, a list of {'role','content'} messages, or a list of token ids."
         )
+
+    def is_templated(self, text: str) -> bool:
+        """Whether a prompt string was already rendered by a chat template (mlx-lm's users pass
+        `tokenizer.apply_chat_template(...)`'s text): it begins as the template renders a user
+        message, or holds a special token the template writes around messages (such as
+        `<|im_start|>`). Such a string is encoded as it is, not wrapped in the template again."""
+        prefix, markers = self._template_marks()
+        return (bool(prefix.strip()) and text.startswith(prefix)) or any(m in text for m in markers)
+
+    def _template_marks(self) -> tuple[str, tuple[str, ...]]:
+        """The chat template's text before a user message's content, and the special tokens it
+        writes; cached per template (--chat-template may replace it)."""
+        tok = self.tokenizer
+        cached = self._marks
+        if cached is not None and cached[0] == tok.chat_template:
+            return cached[1], cached[2]
+        sentinel = "\u2063ondevice\u2063"
+        try:
+            rendered = tok.apply_chat_template([{"role": "user", "content": sentinel}])
+        except OndeviceError:  # a template that needs a system turn, ... : no prefix to match
+            rendered = ""
+        prefix = rendered.split(sentinel)[0] if sentinel in rendered else ""
+        specials = tok._tok.get_added_tokens_decoder().values()
+        markers = tuple(
+            t.content for t in specials if t.special and t.content and t.content in rendered
+        )
+        self._marks = (tok.chat_template, prefix, markers)
+        return prefix, markers
 
     def count_tokens(self, prompt: Prompt, chat_template: bool = True, **chat: Any) -> int:
         return len(self.encode_prompt(prompt, chat_template, **chat))
@@ -205,6 +247,7 @@ class Generator:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         cache_prompt: bool = True,
+        domain: str | None = None,
         _cancel: threading.Event | None = None,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are decided; the last chunk carries finish_reason and stats.
@@ -222,6 +265,10 @@ class Generator:
         draft alike, so speculation stays exact for the transformed law. logprobs: report the
         verifier's log-probabilities of the emitted tokens (and of the `logprobs` most likely).
         tools, chat_template_kwargs: passed to the chat template (see `encode_prompt`).
+        domain: the kind of request ("code", "chat", "math", ...) whose draft acceptance this
+        generation counts towards (see `acceptance_drift`); None counts it in one default bucket.
+        Generations asked for from several threads (or while one is being read) wait their
+        turn, first come first served, and each gives the tokens it would give alone.
         """
         try:
             params = SamplingParams(
@@ -238,6 +285,7 @@ class Generator:
         for flag, value in (("speculative", speculative), ("chat_template", chat_template)):
             _check_type(flag, value, bool, "True or False")
         _check_type("pipeline", pipeline, (bool, type(None)), "True, False or None")
+        domain = check_domain(domain)
         if not (stop is None or isinstance(stop, str) or (
             isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)
         )):  # fmt: skip
@@ -248,35 +296,41 @@ class Generator:
         if not ids:
             raise OndeviceError("the prompt is empty (it encodes to no tokens); pass some text.")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not self._lock.acquire(blocking=False):
-            raise OndeviceError("this model is already generating; wait for it to finish.")
-        try:
-            cancel = _cancel or threading.Event()
+        cancel = _cancel or threading.Event()
 
-            def job() -> Iterator[Chunk]:
-                for retry in (False, True):
-                    dec = self._decoder(
-                        params, seed, num_draft_tokens, speculative, method, pipeline
-                    )
-                    draft = self.draft if speculative else None
-                    started = False
-                    try:
-                        for chunk in self._cached_stream(
-                            dec, draft, ids, max_tokens, stops, cancel, cache_prompt
-                        ):
-                            started = True
-                            yield chunk
-                        return
-                    except CoreMLRuntimeError as e:
-                        # Core ML failed mid-use: this model moves to the MLX draft; a request
-                        # that has sent nothing yet starts again on it
-                        self._leave_core_ml(str(e))
-                        if started or retry:
-                            raise
+        # greedy chain drafts are what the bundle's acceptance baseline measured
+        plain = (
+            params.temperature == 0
+            and grammar is None
+            and not logit_bias
+            and (repetition_penalty == 1 and presence_penalty == 0 and frequency_penalty == 0)
+        )
+        comparable = speculative and self.draft is not None and method == "chain" and plain
+        bucket = self.drift.bucket(domain) if comparable else None
 
-            yield from self._thread().iterate(job, cancel)
-        finally:
-            self._lock.release()
+        def job() -> Iterator[Chunk]:
+            for retry in (False, True):
+                dec = self._decoder(params, seed, num_draft_tokens, speculative, method, pipeline)
+                draft = self.draft if speculative else None
+                started = False
+                try:
+                    for chunk in self._cached_stream(
+                        dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket
+                    ):
+                        started = True
+                        yield chunk
+                    return
+                except CoreMLRuntimeError as e:
+                    # Core ML failed mid-use: this model moves to the MLX draft; a request
+                    # that has sent nothing yet starts again on it
+                    self._leave_core_ml(str(e))
+                    if started or retry:
+                        raise
+
+        # Queued on the model's thread behind the generations asked for earlier (by any
+        # thread); the job never waits for its consumer, so a caller that starts a second
+        # generation while reading the first one cannot deadlock.
+        yield from self._thread().iterate(job, cancel)
 
     # -- the generation thread and the prompt cache -----------------------------------------
 
@@ -296,7 +350,7 @@ class Generator:
         """fn() on the model's thread (it may touch the caches); its result or exception."""
         return self._thread().call(fn)
 
-    def _cached_stream(self, dec, draft, ids, max_tokens, stops, cancel, cache_prompt):
+    def _cached_stream(self, dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket):
         """`_stream` from the prompt cache's longest prefix of `ids`; afterwards the caches are
         kept there (or dropped when the generation failed mid-round)."""
         t = time.perf_counter()
@@ -317,6 +371,8 @@ class Generator:
                     chunk.stats["draft_cached_tokens"] = restored.draft
                     chunk.stats["prompt_seconds"] += t_restore
                     chunk.stats["total_seconds"] += t_restore
+                    if bucket is not None:
+                        self.drift.observe(bucket, chunk.stats)
                 yield chunk
         except GeneratorExit:
             raise
@@ -357,6 +413,13 @@ class Generator:
         if self.draft is not None:
             self.draft.reset()
 
+    def acceptance_drift(self) -> dict[str, Any]:
+        """The draft's rolling acceptance per domain against the one its bundle recorded when
+        it was made, and whether it has fallen (see `ondevice.runtime.drift`): {"baseline",
+        "alarm", "advice", "window", "domains": {name: acceptance, trials, baseline, threshold,
+        alarm, since}}."""
+        return self.drift.status()
+
     def prompt_cache_stats(self) -> dict[str, int]:
         """entries, bytes, max_bytes, hits, misses, evictions and cached_tokens (in total)."""
         return self.prompt_cache.stats()
@@ -394,8 +457,6 @@ class Generator:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens; the model's context is {self.context_length}."
             )
-        if not self._lock.acquire(blocking=False):
-            raise OndeviceError("this model is already generating; wait for it to finish.")
 
         def work() -> None:
             from ondevice.speculative.engine import prefill
@@ -410,10 +471,7 @@ class Generator:
             finally:
                 self._reset_engines()
 
-        try:
-            self._call(work)
-        finally:
-            self._lock.release()
+        self._call(work)  # after the generations already queued
         return len(ids)
 
     def load_prompt_cache(self, path: str | Path) -> int:
@@ -471,6 +529,19 @@ class Generator:
                 yield chunk
 
 
+def _bundle_draft(pair: _Pair, b: Any, opts: dict[str, Any]) -> None:
+    """The draft of bundle `b` (its MLX copy and Core ML package) and its acceptance baseline."""
+    from ondevice.models.bundle import MANIFEST
+
+    pair.draft = load_model(b.draft_mlx_dir, **opts) if b.draft_mlx_dir else None
+    pair.mlpackage, pair.draft_context = b.mlpackage, b.context_length
+    pair.extra["baseline"] = read_baseline(b.manifest, b.path / MANIFEST)
+    if pair.draft is not None:  # the Generator frees the MLX draft when Core ML wins
+        pair.extra["reload_draft"] = lambda: load_model(b.draft_mlx_dir, **opts)
+    else:
+        pair.extra.pop("reload_draft", None)
+
+
 def load(
     verifier: str | Path,
     draft: str | Path | None = None,
@@ -483,7 +554,9 @@ def load(
     prompt_cache_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Generator:
     """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
-    draft. A pair bundle brings its own draft (Core ML and MLX).
+    draft. A pair bundle brings its own draft (Core ML and MLX); `draft` may also be a bundle,
+    whose draft then serves this verifier (a fine-tuned one, say) and whose recorded
+    acceptance tells when the two agree less (`Generator.acceptance_drift`).
 
     dequantize: expand quantized weights to float32 on load. Default: only where MLX runs on
     the CPU (Linux), because there its quantized matmul costs grow with every token of a
@@ -522,17 +595,20 @@ def load(
     if is_bundle(path):
         b = open_bundle(path)
         v = load_model(b.verifier_dir, quantize=quantize, **opts)
-        d = load_model(b.draft_mlx_dir, **opts) if b.draft_mlx_dir else None
-        pair = _Pair(v, d, b.mlpackage, b.context_length, {"name": path.name})
-        if d is not None:  # the Generator frees the MLX draft when Core ML wins
-            pair.extra["reload_draft"] = lambda: load_model(b.draft_mlx_dir, **opts)
+        pair = _Pair(v, extra={"name": path.name})
+        _bundle_draft(pair, b, opts)
     else:
         v = load_model(path, quantize=quantize, **opts)
         pair = _Pair(v)
     if draft is not None:
-        pair.draft = load_model(draft, **opts)
-        pair.mlpackage = None
-        pair.extra.pop("reload_draft", None)
+        draft_path = resolve(draft)
+        if is_bundle(draft_path):  # a bundle's draft, with the acceptance it recorded
+            _bundle_draft(pair, open_bundle(draft_path), opts)
+        else:
+            pair.draft = load_model(draft_path, **opts)
+            pair.mlpackage = None
+            for key in ("reload_draft", "baseline"):
+                pair.extra.pop(key, None)
     if pair.draft is not None:
         check_pair(pair.verifier.tokenizer, pair.draft.tokenizer, pair.draft.config.vocab_size)
     gen = Generator(pair, draft_backend, prompt_cache_bytes)

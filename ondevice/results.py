@@ -46,6 +46,7 @@ def generation_stats(
         "rounds": s.rounds,
         "drafted": s.drafted,
         "accepted": s.accepted,
+        "rejected_rounds": s.rejected,
         "acceptance_rate": s.accepted / s.drafted if s.drafted else 0.0,
         "mean_accepted_length": (s.accepted + s.rounds) / s.rounds if s.rounds else 0.0,
         "tokens_per_second": n_gen / gen_time,

@@ -73,6 +73,7 @@ def collect() -> dict[str, Any]:
         "coreml": _coreml(warnings),
         "blas": _blas(warnings),
         "cache": _cache(),
+        "draft_drift": _draft_drift(warnings),
     }
     report["warnings"] = warnings
     return report
@@ -281,6 +282,17 @@ def blas_fix() -> str:
         f"install OpenBLAS (sudo apt-get install {blas.OPENBLAS_PACKAGE}); ondevice loads it "
         "by itself"
     )
+
+
+def _draft_drift(warnings: list[str]) -> list[dict[str, Any]]:
+    """Drift alarms that generations (serve, the API) left up: a draft the verifier no longer
+    agrees with as it did when the bundle was made (runtime/drift.py)."""
+    from ondevice.models.hub import cache_dir
+    from ondevice.runtime.drift import describe_alarm, recorded_alarms
+
+    alarms = recorded_alarms(cache_dir() / "drift")
+    warnings += [line for a in alarms for line in describe_alarm(a)]
+    return alarms
 
 
 def _cache() -> dict[str, Any]:

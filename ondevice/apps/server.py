@@ -53,10 +53,14 @@ from ondevice.apps.server_queue import ModelSlot
 from ondevice.apps.server_responses import ClosingStream, Shape, collect, until_disconnect
 from ondevice.apps.tool_calls import tool_call_grammar
 from ondevice.errors import OndeviceError
+from ondevice.runtime.drift import check_domain
 
 if TYPE_CHECKING:
     from ondevice.api import Generator
 
+# Names the kind of request ("code", "chat", ...) whose draft acceptance a generation counts
+# towards; /health and /metrics compare each kind with what the bundle recorded.
+DOMAIN_HEADER = "X-Ondevice-Domain"
 # A long prompt is a few hundred KB of JSON; a body far beyond that is a mistake or an attack.
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
 
@@ -340,6 +344,7 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, req: Any, prompt: Any, chat: bool) -> Response:
         options = await self._options(req, prompt, chat_template=chat)
+        options["domain"] = _domain(request)
         shape = Shape(
             chat=chat,
             id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
@@ -388,12 +393,23 @@ class OpenAIServer:
                 "model": self.model_id,
                 "busy": self.slot.busy,
                 "queue_length": self.slot.waiting,
+                "draft_acceptance": self.gen.acceptance_drift(),
             }
         )
 
     async def prometheus(self, request: Request) -> Response:
         text = self.metrics.render(self.slot.waiting, self.slot.busy, self.gen.prompt_cache_stats())
+        text += self.gen.drift.prometheus()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+def _domain(request: Request) -> str | None:
+    """The request's domain for the draft's acceptance (header DOMAIN_HEADER), checked."""
+    value = request.headers.get(DOMAIN_HEADER)
+    try:
+        return check_domain(value)
+    except OndeviceError as e:
+        raise APIError(400, f"header {DOMAIN_HEADER}: {e}", param=DOMAIN_HEADER) from None
 
 
 def _prompt_texts(value: Any) -> list[str]:

@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ondevice.errors import ModelFormatError, ModelNotFoundError, OndeviceError
+from ondevice.errors import ModelFormatError, ModelNotFoundError, OndeviceError, did_you_mean
 from ondevice.models.bundle import process_alive, sha256_file
 from ondevice.models.catalog import Catalog, ModelEntry, Part, Source, load_catalog
 from ondevice.models.hub import HUB_PATTERNS, cache_dir, looks_like_hub_id
@@ -99,7 +99,8 @@ def pull(
         if not looks_like_hub_id(name):
             known = ", ".join(sorted(cat.models))
             raise ModelNotFoundError(
-                f"{name!r} is not in the model catalog ({cat.path}; known: {known}). Pass a "
+                f"{name!r} is not in the model catalog ({cat.path}; known: {known})."
+                f"{did_you_mean(name, cat.models)} Pass a "
                 "Hugging Face repo id (owner/name), or a local file: ondevice pull NAME --from FILE"
             )
         entry = ModelEntry(name, sources=(Source("hub", repo=name),))
