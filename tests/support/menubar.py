@@ -124,7 +124,13 @@ def install(monkeypatch) -> types.ModuleType:
     monkeypatch.setitem(sys.modules, "AppKit", AppKit("AppKit"))
     monkeypatch.setitem(sys.modules, "PyObjCTools", tools)
     monkeypatch.setitem(sys.modules, "PyObjCTools.AppHelper", helper)
-    monkeypatch.delitem(sys.modules, "ondevice.apps.menubar", raising=False)
+    # The module imported as on macOS must leave sys.modules and its package when the test ends,
+    # so that a later `import ondevice.apps.menubar` fails off macOS as it should: setting a
+    # placeholder through monkeypatch records the entry's absence, which the undo restores.
+    apps = importlib.import_module("ondevice.apps")
+    monkeypatch.setitem(sys.modules, "ondevice.apps.menubar", None)
+    monkeypatch.setattr(apps, "menubar", None, raising=False)
+    del sys.modules["ondevice.apps.menubar"]
     with monkeypatch.context() as m:
         m.setattr(sys, "platform", "darwin")
         return importlib.import_module("ondevice.apps.menubar")
