@@ -206,10 +206,10 @@ class OpenAIServer:
         if declared and declared.isascii() and declared.isdigit():
             if int(declared) > self.max_body_bytes:
                 raise self._too_large()
-        try:  # 429 before the body is read, which would only wait in vain
+        try:  # 429 before the body is buffered: it would only wait in vain
             self.slot.check_room()
-        except APIError as e:
-            e.body_unread = True  # type: ignore[attr-defined]
+        except APIError:
+            await self._read_body(request, keep=False)  # drained, so the client hears the 429
             raise
         body = await self._read_body(request)
         try:
@@ -236,13 +236,22 @@ class OpenAIServer:
                 ) from None
         return data
 
-    async def _read_body(self, request: Request) -> bytearray:
+    async def _read_body(self, request: Request, keep: bool = True) -> bytearray:
         """The body, read within the deadline, at most `max_body_bytes` of it, and only while
-        all bodies being read together stay within `max_buffered_bytes` (else 503)."""
+        all bodies being read together stay within `max_buffered_bytes` (else 503). A body
+        that is not kept (or not kept any more) is read to its end and dropped piece by
+        piece: the client then hears the answer instead of a reset connection."""
         body = bytearray()
+        n = 0
+        busy: APIError | None = None
         try:
             with anyio.fail_after(self.read_timeout):
                 async for part in request.stream():  # also bounds bodies sent without a length
+                    n += len(part)
+                    if n > self.max_body_bytes:
+                        raise self._too_large()
+                    if not keep or busy is not None:
+                        continue
                     if self.buffered + len(part) > self.max_buffered_bytes:
                         busy = APIError(
                             503,
@@ -251,12 +260,11 @@ class OpenAIServer:
                             type="server_busy",
                             code="too_many_bodies",
                         )
-                        busy.body_unread = True  # type: ignore[attr-defined]
-                        raise busy
+                        self.buffered -= len(body)
+                        body = bytearray()
+                        continue
                     body += part
                     self.buffered += len(part)
-                    if len(body) > self.max_body_bytes:
-                        raise self._too_large()
         except TimeoutError:
             raise APIError(
                 408,
@@ -265,6 +273,8 @@ class OpenAIServer:
             ) from None
         finally:
             self.buffered -= len(body)
+        if busy is not None:
+            raise busy
         return body
 
     def _too_large(self) -> APIError:
