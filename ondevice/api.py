@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 import time
 import weakref
@@ -60,7 +61,7 @@ def _check_options(options: dict[str, Any]) -> None:
     """OndeviceError naming the first of `Generator.stream`'s options of the wrong type: a
     string where a number belongs ("0.7") or a number where a flag belongs is refused here, not
     coerced (their ranges are checked by `SamplingParams`)."""
-    number = (int, float)
+    number = numbers.Real  # numpy's scalars too; not str, not bool
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):  # fmt: skip
         _check_type(name, options[name], number, "a number")

@@ -8,8 +8,12 @@ has really stopped.
 
 Every request is screened before it reaches a handler (see docs/reliability.md): a Host outside
 the allow-list (DNS rebinding) gets 421, a foreign Origin (a web page driving the local server)
-403, a POST that is not JSON 415, a body that does not arrive in time 408, and a prompt that
-cannot fit the context is refused after tokenizing at most a bounded prefix of it. Every error,
+403, a POST that is not JSON 415, a body that does not arrive in time 408, a request head over
+16 KiB 431, and a prompt that cannot fit the context is refused after tokenizing at most a
+bounded prefix of it. Bodies are buffered only while the model's line has room (else 429) and
+all bodies being read stay within `max_buffered_bytes` (else 503); the chat template gets only
+short scalar arguments from a request, and its rendering is bounded by what the client sent
+and abandoned when the client leaves. Every error,
 whichever handler raised it, is mapped once (`server_http.api_error`) to OpenAI's error shape, so a client
 mistake stays a 4xx.
 """
