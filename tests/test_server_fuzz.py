@@ -4,9 +4,11 @@ integers past Python's digit limit, deep and wide JSON), method, path or header,
 never a 5xx, every error has OpenAI's shape, the server still answers, and its memory (it runs
 in this process) stays within 100 MB of where it started.
 
-150 examples per test in the suite; ONDEVICE_FUZZ_EXAMPLES=2000 for the issue's goal run
-(docs/reliability.md has the figures):
-    ONDEVICE_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest -q -s tests/test_server_fuzz.py
+150 examples per test in the suite (the server in this process); the issue's goal run has
+2,000 per test with the server as `ondevice serve` in its own process, so that its memory is
+measured apart from hypothesis' (docs/reliability.md has the figures):
+    cd /tmp && ONDEVICE_FUZZ_SERVER=process ONDEVICE_FUZZ_EXAMPLES=2000 \
+        PYTHONPATH=CHECKOUT python -m pytest -q -s CHECKOUT/tests/test_server_fuzz.py
 """
 
 from __future__ import annotations
