@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 import time
 import weakref
@@ -16,7 +17,7 @@ import mlx.core as mx
 
 from ondevice.errors import CoreMLRuntimeError, CoreMLUnavailableError, OndeviceError
 from ondevice.models import LoadedModel, load_model
-from ondevice.models.tokenizer import Tokenizer, check_pair
+from ondevice.models.tokenizer import RESERVED_TEMPLATE_ARGS, Tokenizer, check_pair
 from ondevice.results import Chunk, GenerationResult
 from ondevice.runtime.coreml_engines import fall_back
 from ondevice.runtime.decoders import METHODS as METHODS
@@ -54,8 +55,39 @@ def _check_int(name: str, value: Any, low: int, none_ok: bool = False) -> None:
 
 
 def _check_type(name: str, value: Any, types: type | tuple[type, ...], what: str) -> None:
-    if not isinstance(value, types):
+    types = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise OndeviceError(f"{name} must be {what}, got {value!r}.")
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """OndeviceError naming the first of `Generator.stream`'s options of the wrong type: a
+    string where a number belongs ("0.7") or a number where a flag belongs is refused here, not
+    coerced (their ranges are checked by `SamplingParams`)."""
+    number = numbers.Real  # numpy's scalars too; not str, not bool
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):  # fmt: skip
+        _check_type(name, options[name], number, "a number")
+    _check_int("top_k", options["top_k"], 0)
+    _check_int("logprobs", options["logprobs"], 0, none_ok=True)
+    for flag in ("speculative", "chat_template", "cache_prompt"):
+        _check_type(flag, options[flag], bool, "True or False")
+    _check_type("pipeline", options["pipeline"], (bool, type(None)), "True, False or None")
+    _check_type("method", options["method"], str, "a method name")
+    _check_type("tools", options["tools"], (list, tuple, type(None)), "a list of tools or None")
+    _check_type("chat_template_kwargs", options["chat_template_kwargs"], (dict, type(None)),
+                "a dict or None")  # fmt: skip
+    reserved = sorted(set(options["chat_template_kwargs"] or ()) & set(RESERVED_TEMPLATE_ARGS))
+    if reserved:
+        raise OndeviceError(
+            f"chat_template_kwargs: {reserved[0]!r} is reserved (an argument of the chat "
+            "template function itself); rename it."
+        )
+    bias = options["logit_bias"] or {}
+    _check_type("logit_bias", bias, dict, "a dict of token id -> bias")
+    for token, value in bias.items():
+        _check_int("logit_bias token id", token, 0)
+        _check_type(f"logit_bias[{token}]", value, number, "a number")
 
 
 class Generator:
@@ -270,6 +302,7 @@ class Generator:
         Generations asked for from several threads (or while one is being read) wait their
         turn, first come first served, and each gives the tokens it would give alone.
         """
+        _check_options(locals())
         try:
             params = SamplingParams(
                 float(temperature), float(top_p), int(top_k), float(min_p),
@@ -282,9 +315,6 @@ class Generator:
         _check_int("max_tokens", max_tokens, 0)
         _check_int("num_draft_tokens", num_draft_tokens, 0, none_ok=True)
         _check_int("seed", seed, 0, none_ok=True)
-        for flag, value in (("speculative", speculative), ("chat_template", chat_template)):
-            _check_type(flag, value, bool, "True or False")
-        _check_type("pipeline", pipeline, (bool, type(None)), "True, False or None")
         domain = check_domain(domain)
         if not (stop is None or isinstance(stop, str) or (
             isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)

@@ -127,6 +127,12 @@ def api_key(args: argparse.Namespace) -> str | None:
             raise OndeviceError(f"--api-key-file {path}: cannot read it ({e}).") from None
         if not key:
             raise OndeviceError(f"--api-key-file {path}: the file is empty; put the key in it.")
+        if os.name == "posix" and path.stat().st_mode & 0o077:
+            print(
+                f"warning: --api-key-file {path} is readable by other users of this machine; "
+                f"make it private with `chmod 600 {path}`.",
+                file=sys.stderr,
+            )
         return key
     if args.api_key is not None:
         print(
