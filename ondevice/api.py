@@ -469,6 +469,9 @@ def load(
         b = open_bundle(path)
         v = load_model(b.verifier_dir, quantize=quantize, **opts)
         d = load_model(b.draft_mlx_dir, **opts) if b.draft_mlx_dir else None
+        from ondevice.models.gguf_tokenizer import repair_bundle_tokenizers
+
+        repair_bundle_tokenizers(b.manifest, [m.tokenizer for m in (v, d) if m], str(path))
         pair = _Pair(v, d, b.mlpackage, b.context_length, {"name": path.name})
     else:
         v = load_model(path, quantize=quantize, **opts)

@@ -407,3 +407,113 @@ def test_sentencepiece_matches_sentencepiece(tmp_path, dummy_prefix):
         assert tok.decode(want) == sp.decode(want) == text
     assert any(sp.is_byte(i) for t in TEXTS for i in sp.encode(t))  # byte fallback was used
     assert tok.origin == {"version": 2, "model": "llama", "add_space_prefix": dummy_prefix}
+
+
+# -- bundles -------------------------------------------------------------------------------------
+
+DECOMPOSED = "cafe\u0301 def f(x):\n    return x"  # Qwen2's NFC changes the bytes
+
+
+@pytest.fixture(scope="module")
+def qwen_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny pair converted from GGUF files that name Qwen2's pre-tokenizer."""
+    import tiny
+
+    from ondevice.convert import cli
+
+    root = tmp_path_factory.mktemp("qwen-gguf")
+    verifier, _ = tiny.write_gguf(root / "v.gguf", pre="qwen2")
+    draft, _ = tiny.write_gguf(root / "d.gguf", seed=1, pre="qwen2")
+    out = root / "pair.bundle"
+    argv = ["--verifier", str(verifier), "--draft", str(draft), "-o", str(out)]
+    assert cli.main([*argv, "--context", "64", "--draft-chunk", "8", "--probe-prompts", "0"]) == 0
+    return out, verifier
+
+
+def make_old(bundle: Path, dest: Path) -> Path:
+    """`bundle` as an ondevice before issue 24 wrote it: every tokenizer.json with GPT-2's split
+    and no record of how the GGUF vocabulary was built."""
+    import shutil
+
+    from ondevice.convert.bundle import file_entries, write_manifest
+
+    shutil.copytree(bundle, dest)
+    for f in dest.rglob("tokenizer.json"):
+        doc = json.loads(f.read_text())
+        doc["normalizer"] = None
+        doc["pre_tokenizer"] = BYTE_LEVEL_REGEX
+        f.write_text(json.dumps(doc))
+    manifest = json.loads((dest / "manifest.json").read_text())
+    del manifest["tokenizer"]["gguf"]
+    manifest["files"] = file_entries(dest)
+    write_manifest(dest, {k: v for k, v in manifest.items() if k != "format_version"})
+    return dest
+
+
+def test_bundle_from_gguf_carries_the_split(qwen_bundle, capsys):
+    import ondevice
+    from ondevice.convert import cli
+
+    out, verifier = qwen_bundle
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tokenizer"]["gguf"] == {"version": 2, "model": "gpt2", "pre": "qwen2"}
+    for sub in ("tokenizer", "verifier", "draft/mlx"):
+        doc = json.loads((out / sub / "tokenizer.json").read_text())
+        assert doc["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] == QWEN2, sub
+    want = load(verifier).encode(DECOMPOSED)
+    capsys.readouterr()
+    assert ondevice.load(str(out)).tokenizer.encode(DECOMPOSED) == want
+    assert "older ondevice" not in capsys.readouterr().err
+    assert cli.main(["--check", str(out)]) == 0
+    assert "tokenizer: current" in capsys.readouterr().out
+
+
+def test_old_bundle_is_repaired_from_its_source_gguf(qwen_bundle, tmp_path, capsys):
+    import ondevice
+    from ondevice.convert import cli
+
+    out, verifier = qwen_bundle
+    old = make_old(out, tmp_path / "old.bundle")
+    want = load(verifier).encode(DECOMPOSED)
+    capsys.readouterr()
+    assert cli.main(["--check", str(old)]) == 0
+    report = capsys.readouterr().out
+    assert "tokenizer: warning (repaired on load)" in report and "'qwen2' split" in report
+    gen = ondevice.load(str(old))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if "older ondevice" in line] == [
+        f"ondevice: bundle {old.resolve()}: its tokenizer was built from a GGUF file by an older "
+        f"ondevice, which split text like GPT-2; using the 'qwen2' split (from its source "
+        f"{verifier}). Convert the pair again to fix it on disk."
+    ]
+    assert gen.tokenizer.encode(DECOMPOSED) == want
+
+
+def test_old_bundle_without_its_source_is_reported(qwen_bundle, tmp_path, capsys):
+    import ondevice
+    from ondevice.convert import cli
+
+    out, verifier = qwen_bundle
+    old = make_old(out, tmp_path / "old.bundle")
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["verifier"]["source"] = str(tmp_path / "gone.gguf")
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    assert cli.main(["--check", str(old)]) == 1
+    assert "tokenizer: ERROR" in capsys.readouterr().out
+    ondevice.load(str(old))
+    assert "keeping GPT-2's split" in capsys.readouterr().err
+
+
+def test_old_tokenizer_family_from_its_vocabulary():
+    """Without its source file, a Qwen2 vocabulary (its <|endoftext|> at 151643) says which."""
+    from ondevice.models.gguf_tokenizer import stale_bundle_split
+
+    vocab = {f"t{i}": i for i in range(151643)}
+    vocab["<|endoftext|>"] = 151643
+    tok = HFTokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    manifest = {"tokenizer": {}, "verifier": {"source": "/nowhere/qwen.gguf"}}
+    split, line = stale_bundle_split(manifest, tok)
+    assert split.normalizer == NFC and "'qwen2' split (from its vocabulary)" in line
+    manifest["tokenizer"]["gguf"] = {"version": 2, "model": "gpt2", "pre": "qwen2"}
+    assert stale_bundle_split(manifest, tok) is None  # recorded as built by this version

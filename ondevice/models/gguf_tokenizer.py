@@ -23,6 +23,7 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, models
@@ -346,3 +347,101 @@ def tokenizer_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer:
         add_bos_token=add_bos,
         origin=origin,
     )
+
+
+# -- bundles made before this module ----------------------------------------------------------------
+
+# The pre-tokenizer every GGUF byte-level vocabulary got before VERSION 2 (GPT-2's split).
+_OLD_BPE_SPLIT = {
+    "type": "ByteLevel",
+    "add_prefix_space": False,
+    "trim_offsets": True,
+    "use_regex": True,
+}
+_OLD = "its tokenizer was built from a GGUF file by an older ondevice, which split text like GPT-2"
+# Vocabularies that say which family they are: (id, token) -> pre-tokenizer name.
+_KNOWN_VOCABULARIES = {
+    (151643, "<|endoftext|>"): "qwen2",
+    (128000, "<|begin_of_text|>"): "llama-bpe",
+}
+
+
+def _family(tok: HFTokenizer) -> str | None:
+    for (i, text), pre in _KNOWN_VOCABULARIES.items():
+        if tok.id_to_token(i) == text:
+            return pre
+    if tok.get_vocab_size() == 49152 and tok.id_to_token(1) == "<|im_start|>":
+        return "smollm"  # SmolLM/SmolLM2
+    return None
+
+
+def _source_gguf(source: Any) -> Path | None:
+    """The GGUF file a bundle was converted from, if it is still on this machine."""
+    from ondevice.models.hub import cache_dir
+
+    if not isinstance(source, str) or not source:
+        return None
+    path = Path(source).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path
+    cached = cache_dir() / "models" / source.replace("/", "--")  # a name `ondevice pull` cached
+    ggufs = sorted(cached.glob("*.gguf")) if cached.is_dir() else []
+    return ggufs[0] if len(ggufs) == 1 else None
+
+
+def stale_bundle_split(
+    manifest: dict[str, Any], tok: HFTokenizer
+) -> tuple[Split | None, str] | None:
+    """Whether a bundle's saved tokenizer was built from a GGUF file by an ondevice before this
+    module, when every byte-level vocabulary got GPT-2's split. None: it is current (or came from
+    a Hugging Face tokenizer.json). Otherwise (the split to use, or None if it cannot be told;
+    the line that says so)."""
+    record = manifest.get("tokenizer", {}).get("gguf")
+    if isinstance(record, dict) and record.get("version", 0) >= VERSION:
+        return None
+    doc = json.loads(tok.to_str())
+    if doc.get("normalizer") is not None or doc.get("pre_tokenizer") != _OLD_BPE_SPLIT:
+        return None  # not what old ondevice wrote for a GGUF vocabulary
+    source = manifest.get("verifier", {}).get("source")
+    gguf_file = _source_gguf(source)
+    if gguf_file is not None:
+        from ondevice.models.gguf import read_header
+
+        pre = read_header(gguf_file).metadata.get("tokenizer.ggml.pre")
+        how = f"from its source {gguf_file}"
+    elif (pre := _family(tok)) is not None:
+        how = "from its vocabulary"
+    elif str(source).lower().endswith(".gguf"):
+        return None, (
+            f"{_OLD}, and its model's split cannot be told ({source} is gone, the vocabulary is "
+            "not one ondevice recognises); keeping GPT-2's split. Convert the pair again."
+        )
+    else:
+        return None  # a Hugging Face tokenizer that uses GPT-2's split
+    if pre in (None, "default", "gpt-2", "phi-2", "olmo"):
+        return None  # GPT-2's split is what this ondevice uses for it too
+    if pre not in PRE_TOKENIZERS:
+        return None, f"{_OLD}, and its model's split {pre!r} is not supported; keeping GPT-2's."
+    return PRE_TOKENIZERS[pre], (
+        f"{_OLD}; using the {pre!r} split ({how}). Convert the pair again to fix it on disk."
+    )
+
+
+def repair_bundle_tokenizers(
+    manifest: dict[str, Any], tokenizers: Sequence[Tokenizer], bundle: str
+) -> bool:
+    """Give a bundle's stale GGUF-built tokenizers (the verifier's, the draft's) their family's
+    split in place, saying so in one line on stderr; True if they were stale (see
+    `stale_bundle_split`, which the first tokenizer decides)."""
+    found = stale_bundle_split(manifest, tokenizers[0]._tok)
+    if found is None:
+        return False
+    split, line = found
+    if split is not None:
+        fixed = _json_tokenizer(split.normalizer, split.pre_tokenizer, None, None)
+        for t in tokenizers:
+            if fixed.normalizer is not None:
+                t._tok.normalizer = fixed.normalizer
+            t._tok.pre_tokenizer = fixed.pre_tokenizer
+    _note(f"bundle {bundle}: {line}")
+    return True
