@@ -506,14 +506,38 @@ def test_old_bundle_without_its_source_is_reported(qwen_bundle, tmp_path, capsys
 
 def test_old_tokenizer_family_from_its_vocabulary():
     """Without its source file, a Qwen2 vocabulary (its <|endoftext|> at 151643) says which."""
-    from ondevice.models.gguf_tokenizer import stale_bundle_split
+    from ondevice.models.gguf_tokenizer import stale_bundle_tokenizer
 
     vocab = {f"t{i}": i for i in range(151643)}
     vocab["<|endoftext|>"] = 151643
     tok = HFTokenizer(models.BPE(vocab, []))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     manifest = {"tokenizer": {}, "verifier": {"source": "/nowhere/qwen.gguf"}}
-    split, line = stale_bundle_split(manifest, tok)
-    assert split.normalizer == NFC and "'qwen2' split (from its vocabulary)" in line
+    fixed, line = stale_bundle_tokenizer(manifest, tok)
+    assert "'qwen2' split (from its vocabulary)" in line
+    assert json.loads(fixed.to_str())["normalizer"] == NFC
     manifest["tokenizer"]["gguf"] = {"version": 2, "model": "gpt2", "pre": "qwen2"}
-    assert stale_bundle_split(manifest, tok) is None  # recorded as built by this version
+    assert stale_bundle_tokenizer(manifest, tok) is None  # recorded as built by this version
+
+
+def test_old_sentencepiece_tokenizer_is_rebuilt(tmp_path):
+    """An older ondevice built SentencePiece vocabularies as a Unigram model; rebuilt from its
+    own pieces and scores, the bundle's tokenizer encodes like SentencePiece."""
+    from tokenizers import Regex, normalizers
+
+    from ondevice.models.gguf_tokenizer import stale_bundle_tokenizer
+
+    sp = train_spm(tmp_path, dummy_prefix=True)
+    pieces = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+    old = HFTokenizer(models.Unigram(pieces, unk_id=sp.unk_id(), byte_fallback=True))
+    old.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    old.pre_tokenizer = pre_tokenizers.Split(Regex(r"(?!)"), "isolated")
+    old.add_special_tokens([sp.id_to_piece(i) for i in (sp.bos_id(), sp.eos_id())])
+    texts = [t for t in TEXTS if t]
+    assert any(old.encode(t).ids != sp.encode(t) for t in texts)  # the old build was wrong
+    manifest = {"tokenizer": {}, "verifier": {"source": str(tmp_path / "gone.gguf")}}
+    fixed, line = stale_bundle_tokenizer(manifest, HFTokenizer.from_str(old.to_str()))
+    assert "SentencePiece" in line
+    for text in texts:
+        assert fixed.encode(text).ids == sp.encode(text), text
+    assert fixed.encode("</s>").ids == [sp.eos_id()]

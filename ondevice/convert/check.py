@@ -116,20 +116,20 @@ def _check_tokenizer(manifest: dict[str, Any], verifier_dir: Path) -> int:
     for every vocabulary): a warning when loading repairs it, an error when it cannot."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from ondevice.models.gguf_tokenizer import stale_bundle_split
+    from ondevice.models.gguf_tokenizer import stale_bundle_tokenizer
 
     try:
         tok = HFTokenizer.from_file(str(verifier_dir / "tokenizer.json"))
-        stale = stale_bundle_split(manifest, tok)
+        stale = stale_bundle_tokenizer(manifest, tok)
     except Exception as e:  # a damaged tokenizer.json; the file check names it too
         _print(f"tokenizer: ERROR cannot read it ({type(e).__name__}: {e})")
         return 1
     if stale is None:
         _print("tokenizer: current")
         return 0
-    split, line = stale
-    _print(f"tokenizer: {'warning (repaired on load)' if split else 'ERROR'} {line}")
-    return 0 if split else 1
+    fixed, line = stale
+    _print(f"tokenizer: {'warning (repaired on load)' if fixed else 'ERROR'} {line}")
+    return 0 if fixed else 1
 
 
 def run_check(path: Path) -> int:

@@ -20,6 +20,7 @@ special added tokens, user-defined ones (type 4) plain added tokens: neither is 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -389,25 +390,73 @@ def _source_gguf(source: Any) -> Path | None:
     return ggufs[0] if len(ggufs) == 1 else None
 
 
-def stale_bundle_split(
+def _old_spm(doc: dict[str, Any]) -> bool:
+    """What an older ondevice wrote for a SentencePiece GGUF vocabulary: a Unigram model over
+    the scored pieces (SentencePiece's BPE merges differently) behind a no-op split."""
+    pre = doc.get("pre_tokenizer") or {}
+    return doc.get("model", {}).get("type") == "Unigram" and pre.get("type") == "Split"
+
+
+def _rebuilt_spm(doc: dict[str, Any], meta: dict[str, Any] | None) -> HFTokenizer:
+    """The SentencePiece tokenizer of an old bundle's Unigram pieces and scores, with the
+    source file's add_space_prefix flag when known (older ondevice always prepended)."""
+    model = doc["model"]
+    tokens = [piece for piece, _ in model["vocab"]]
+    added = {t["content"]: t["special"] for t in doc.get("added_tokens", [])}
+
+    def kind(i: int, piece: str) -> int:
+        if i == model.get("unk_id"):
+            return UNKNOWN
+        if piece in added:
+            return CONTROL if added[piece] else USER_DEFINED
+        return BYTE if re.fullmatch(r"<0x[0-9A-F]{2}>", piece) else NORMAL
+
+    types = [kind(i, t) for i, t in enumerate(tokens)]
+    synthetic = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": [score for _, score in model["vocab"]],
+        "tokenizer.ggml.unknown_token_id": model.get("unk_id"),
+        "tokenizer.ggml.add_bos_token": False,  # the bundle's tokenizer_config.json says
+        "tokenizer.ggml.add_space_prefix": (meta or {}).get(
+            "tokenizer.ggml.add_space_prefix", True
+        ),
+    }
+    return tokenizer_from_metadata(synthetic, "bundle")._tok
+
+
+def stale_bundle_tokenizer(
     manifest: dict[str, Any], tok: HFTokenizer
-) -> tuple[Split | None, str] | None:
+) -> tuple[HFTokenizer | None, str] | None:
     """Whether a bundle's saved tokenizer was built from a GGUF file by an ondevice before this
-    module, when every byte-level vocabulary got GPT-2's split. None: it is current (or came from
-    a Hugging Face tokenizer.json). Otherwise (the split to use, or None if it cannot be told;
-    the line that says so)."""
+    module (GPT-2's split for every byte-level vocabulary, a Unigram model for SentencePiece
+    ones). None: it is current, or came from a Hugging Face tokenizer.json. Otherwise (the
+    tokenizer to use instead, or None when that cannot be told; the line that says so)."""
     record = manifest.get("tokenizer", {}).get("gguf")
     if isinstance(record, dict) and record.get("version", 0) >= VERSION:
         return None
     doc = json.loads(tok.to_str())
-    if doc.get("normalizer") is not None or doc.get("pre_tokenizer") != _OLD_BPE_SPLIT:
-        return None  # not what old ondevice wrote for a GGUF vocabulary
+    spm = _old_spm(doc)
+    if not spm and (
+        doc.get("normalizer") is not None or doc.get("pre_tokenizer") != _OLD_BPE_SPLIT
+    ):
+        return None  # not what an older ondevice wrote for a GGUF vocabulary
     source = manifest.get("verifier", {}).get("source")
     gguf_file = _source_gguf(source)
+    meta = None
     if gguf_file is not None:
         from ondevice.models.gguf import read_header
 
-        pre = read_header(gguf_file).metadata.get("tokenizer.ggml.pre")
+        meta = read_header(gguf_file).metadata
+    if spm:
+        return _rebuilt_spm(doc, meta), (
+            "its tokenizer was built from a SentencePiece GGUF vocabulary by an older ondevice, "
+            "which merged pieces another way; using SentencePiece's merges. Convert the pair "
+            "again to fix it on disk."
+        )
+    if meta is not None:
+        pre = meta.get("tokenizer.ggml.pre")
         how = f"from its source {gguf_file}"
     elif (pre := _family(tok)) is not None:
         how = "from its vocabulary"
@@ -422,7 +471,9 @@ def stale_bundle_split(
         return None  # GPT-2's split is what this ondevice uses for it too
     if pre not in PRE_TOKENIZERS:
         return None, f"{_OLD}, and its model's split {pre!r} is not supported; keeping GPT-2's."
-    return PRE_TOKENIZERS[pre], (
+    doc["normalizer"] = PRE_TOKENIZERS[pre].normalizer
+    doc["pre_tokenizer"] = PRE_TOKENIZERS[pre].pre_tokenizer
+    return HFTokenizer.from_str(json.dumps(doc)), (
         f"{_OLD}; using the {pre!r} split ({how}). Convert the pair again to fix it on disk."
     )
 
@@ -430,18 +481,15 @@ def stale_bundle_split(
 def repair_bundle_tokenizers(
     manifest: dict[str, Any], tokenizers: Sequence[Tokenizer], bundle: str
 ) -> bool:
-    """Give a bundle's stale GGUF-built tokenizers (the verifier's, the draft's) their family's
-    split in place, saying so in one line on stderr; True if they were stale (see
-    `stale_bundle_split`, which the first tokenizer decides)."""
-    found = stale_bundle_split(manifest, tokenizers[0]._tok)
+    """Replace a bundle's stale GGUF-built tokenizers (the verifier's, the draft's) by what this
+    ondevice builds for their vocabulary, saying so in one line on stderr; True if they were
+    stale (see `stale_bundle_tokenizer`, which the first tokenizer decides)."""
+    found = stale_bundle_tokenizer(manifest, tokenizers[0]._tok)
     if found is None:
         return False
-    split, line = found
-    if split is not None:
-        fixed = _json_tokenizer(split.normalizer, split.pre_tokenizer, None, None)
+    fixed, line = found
+    if fixed is not None:
         for t in tokenizers:
-            if fixed.normalizer is not None:
-                t._tok.normalizer = fixed.normalizer
-            t._tok.pre_tokenizer = fixed.pre_tokenizer
+            t.replace_backend(HFTokenizer.from_str(fixed.to_str()))
     _note(f"bundle {bundle}: {line}")
     return True

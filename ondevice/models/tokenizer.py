@@ -113,6 +113,10 @@ class Tokenizer:
             cfg["chat_template"] = self.chat_template
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1, ensure_ascii=False))
 
+    def replace_backend(self, tok: HFTokenizer) -> None:
+        """Use `tok` from now on (a repaired copy of the same vocabulary)."""
+        self._tok, self._hf = tok, None
+
     # -- text <-> ids ---------------------------------------------------------------------------
 
     @property
