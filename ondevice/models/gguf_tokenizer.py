@@ -187,10 +187,6 @@ def _note(text: str) -> None:
 # -- building ------------------------------------------------------------------------------------
 
 
-def _scalar(v: Any) -> Any:
-    return v.tolist() if hasattr(v, "tolist") else v
-
-
 def _post_processor(
     tokens: Sequence[str], bos: int | None, eos: int | None, byte_level: bool
 ) -> dict[str, Any] | None:
@@ -260,7 +256,7 @@ def tokenizer_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer:
     tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
     if not tokens:
         raise ModelFormatError(f"{source}: GGUF metadata has no tokenizer.ggml.tokens.")
-    types = list(_scalar(meta.get("tokenizer.ggml.token_type")) or [NORMAL] * len(tokens))
+    types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise ModelFormatError(
             f"{source}: GGUF metadata lists {len(tokens)} tokens but {len(types)} token types; "
@@ -271,12 +267,12 @@ def tokenizer_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer:
         i = meta.get(key)
         if i is None:
             return None
-        i = int(_scalar(i))
+        i = int(i)
         return i if 0 <= i < len(tokens) else None
 
     bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
-    add_bos = bool(_scalar(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")))
-    add_eos = bool(_scalar(meta.get("tokenizer.ggml.add_eos_token", False)))
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     post_bos, post_eos = (bos if add_bos else None), (eos if add_eos else None)
     vocab = {t: i for i, t in enumerate(tokens)}
     origin: dict[str, Any] = {"version": VERSION, "model": kind}
@@ -292,9 +288,9 @@ def tokenizer_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer:
         )
         tok.model = models.BPE(vocab, merges, ignore_merges=False)
     elif kind == "llama":
-        scores = list(_scalar(meta.get("tokenizer.ggml.scores")) or [0.0] * len(tokens))
+        scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
         unk = token_id("tokenizer.ggml.unknown_token_id")
-        space_prefix = bool(_scalar(meta.get("tokenizer.ggml.add_space_prefix", True)))
+        space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
         origin["add_space_prefix"] = space_prefix
         replace = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
         normalizer = (
