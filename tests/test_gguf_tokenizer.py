@@ -170,6 +170,8 @@ FAMILIES = {  # pre name -> (normalizer, pre_tokenizer) of the family's tokenize
     "mpt": (NFC, BYTE_LEVEL_REGEX),
     "qwen2": (NFC, seq(split(QWEN2), BYTE_LEVEL_ONLY)),
     "llama-bpe": (None, seq(split(LLAMA3), BYTE_LEVEL_ONLY)),
+    "smaug-bpe": (None, seq(split(LLAMA3), BYTE_LEVEL_ONLY)),
+    "dbrx": (None, seq(split(LLAMA3), BYTE_LEVEL_ONLY)),
     "smollm": STARCODER,
     "starcoder": STARCODER,
     "refact": STARCODER,

@@ -102,6 +102,7 @@ class Split:
 
 
 _GPT2 = Split(_byte_level(use_regex=True))
+_LLAMA3 = Split(_sequence(_split(LLAMA3_REGEX), _byte_level(use_regex=False)))
 _STARCODER = Split(_sequence(_DIGITS, _byte_level(use_regex=True)))
 
 PRE_TOKENIZERS: dict[str, Split] = {
@@ -111,7 +112,9 @@ PRE_TOKENIZERS: dict[str, Split] = {
     "olmo": _GPT2,
     "mpt": Split(_byte_level(use_regex=True), _NFC),  # GPT-NeoX's tokenizer: NFC first
     "qwen2": Split(_sequence(_split(QWEN2_REGEX), _byte_level(use_regex=False)), _NFC),
-    "llama-bpe": Split(_sequence(_split(LLAMA3_REGEX), _byte_level(use_regex=False))),
+    "llama-bpe": _LLAMA3,
+    "smaug-bpe": _LLAMA3,  # Smaug: Llama 3's tokenizer
+    "dbrx": _LLAMA3,  # tiktoken's cl100k split, which Llama 3 took
     # Digits one by one, then GPT-2's regex.
     "starcoder": _STARCODER,
     "refact": _STARCODER,
