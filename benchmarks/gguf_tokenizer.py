@@ -33,20 +33,23 @@ DEFAULT = "qwen2.5-coder-1.5b-instruct"
 
 def _header_cost(reader: str, path: Path) -> dict[str, float]:
     """Seconds and peak RSS of reading the metadata (vocabulary and merges included), measured
-    in a fresh process so one reader's memory does not hide the other's."""
+    in a fresh process (imports outside the timing) so one reader's memory does not hide the
+    other's."""
     code = f"""
 import json, resource, time
+import gguf
+from ondevice.models.gguf import read_header
+rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t = time.perf_counter()
 if {reader!r} == "ondevice":
-    from ondevice.models.gguf import read_header
     meta = read_header({str(path)!r}).metadata
     n = len(meta["tokenizer.ggml.tokens"]) + len(meta["tokenizer.ggml.merges"])
 else:
-    import gguf
     r = gguf.GGUFReader({str(path)!r})
     n = sum(len(r.fields[k].contents()) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
 dt = time.perf_counter() - t
-print(json.dumps({{"s": dt, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "n": n}}))
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({{"s": dt, "peak_rss_mb": rss, "added_mb": rss - rss0, "n": n}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -62,7 +65,10 @@ def main() -> None:
 
     for reader in () if args.no_header else ("ondevice", "gguf.GGUFReader"):
         c = _header_cost(reader, path)
-        print(f"header {reader:16s} {c['s']:6.2f} s  peak RSS {c['peak_rss_mb']:6.0f} MB")
+        print(
+            f"header {reader:16s} {c['s']:6.2f} s  peak RSS {c['peak_rss_mb']:5.0f} MB "
+            f"({c['added_mb']:+.0f} MB over the imports)"
+        )
 
     meta = read_header(path).metadata
     print(f"{path.name}: tokenizer.ggml.model={meta.get('tokenizer.ggml.model')} "
