@@ -464,14 +464,13 @@ def load(
     path = resolve(verifier)
     pair: _Pair
     from ondevice.models.bundle import is_bundle, open_bundle
+    from ondevice.models.gguf_tokenizer import repair_bundle_tokenizers
 
     if is_bundle(path):
         b = open_bundle(path)
         v = load_model(b.verifier_dir, quantize=quantize, **opts)
+        repair_bundle_tokenizers(b.manifest, [v.tokenizer], str(path))  # prompts' tokenizer
         d = load_model(b.draft_mlx_dir, **opts) if b.draft_mlx_dir else None
-        from ondevice.models.gguf_tokenizer import repair_bundle_tokenizers
-
-        repair_bundle_tokenizers(b.manifest, [m.tokenizer for m in (v, d) if m], str(path))
         pair = _Pair(v, d, b.mlpackage, b.context_length, {"name": path.name})
     else:
         v = load_model(path, quantize=quantize, **opts)
