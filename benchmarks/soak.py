@@ -13,7 +13,9 @@ chat completions, text completions, clients that disconnect mid-stream or before
 and bad requests (broken JSON, unknown model, a prompt beyond the context, a foreign Origin or
 Host, a form post, a chat template sent in `chat_template_kwargs`, an integer past Python's
 digit limit, a non-ASCII digit as a logit_bias key, a 60 KB request head). Greedy answers to the
-same request must be the same text every time (a corrupted or mixed answer would differ). Every answer is classified: expected outcomes by kind (200, 4xx for the bad
+same request must be the same text every time (a corrupted or mixed answer would differ); every
+request whose answer is compared says temperature 0, and `--prompts N` repeats N texts so that
+most answers are compared (with fresh random texts few requests ever repeat). Every answer is classified: expected outcomes by kind (200, 4xx for the bad
 inputs, 429 when the queue is full, the intended disconnects) and anything else as unexpected
 (a 5xx, a malformed body, a wrong status, a transport error nobody asked for). The server's RSS
 is read from /proc after warm-up, in the middle and at the end. Goal (issue 16): 0 unexpected
@@ -113,7 +115,8 @@ def same_as_before(kind: str, body: dict, text: str, n: int, answer: str) -> str
     return (
         None
         if first == answer
-        else f"unexpected corrupted answer: {answer[:40]!r} != {first[:40]!r}"
+        else f"unexpected corrupted answer to {kind} {text!r} max_tokens={n}: "
+        f"{answer[:40]!r} != {first[:40]!r}"
     )
 
 

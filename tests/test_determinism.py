@@ -14,11 +14,12 @@ import time
 
 import pytest
 import tiny
+from test_pipeline import Slow
 
 import ondevice
 import ondevice.api
 from ondevice.models import load_model
-from ondevice.runtime.engines import MLXEngine, TimedEngine
+from ondevice.runtime.engines import MLXEngine
 from ondevice.runtime.pipeline import PipelinedDecoder
 from ondevice.speculative.decoder import SpeculativeDecoder
 from ondevice.speculative.sampling import SamplingParams
@@ -66,20 +67,6 @@ def test_first_callers_on_many_threads_share_one_generation_thread(pair, monkeyp
                 t.join(timeout=0)
 
 
-class _Slow(TimedEngine):
-    """An engine that takes `delay` seconds longer per call: changes the timings the pipelined
-    decoder measures, never what the engine computes."""
-
-    def __init__(self, engine, delay: float, batch_invariant: bool = False):
-        super().__init__(engine)
-        self.delay = delay
-        self.batch_invariant = batch_invariant
-
-    def feed(self, tokens, last_only=False):
-        time.sleep(self.delay)
-        return super().feed(tokens, last_only)
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("det")
@@ -100,7 +87,7 @@ def test_greedy_pipelined_block_lengths_do_not_depend_on_the_clock(engines):
     blocks = []
     for verify_delay, draft_delay in ((0.02, 0.0), (0.0, 0.01)):  # verifier or draft slow
         pipe = PipelinedDecoder(
-            _Slow(v, verify_delay), _Slow(d, draft_delay), SamplingParams(0.0),
+            Slow(v, verify_delay), Slow(d, draft_delay), SamplingParams(0.0),
             eos_token_ids=[tiny.EOS_ID],
         )  # fmt: skip
         assert [t for r in pipe.run(prompt, 40) for t in r.tokens] == expected
@@ -111,6 +98,8 @@ def test_greedy_pipelined_block_lengths_do_not_depend_on_the_clock(engines):
 def test_the_clock_chooses_block_lengths_only_for_a_batch_invariant_verifier(engines):
     v, d = engines
     greedy, sample = SamplingParams(0.0), SamplingParams(1.0)
-    assert not PipelinedDecoder(_Slow(v, 0.0), d, greedy).timed
-    assert PipelinedDecoder(_Slow(v, 0.0, batch_invariant=True), d, greedy).timed
-    assert not PipelinedDecoder(_Slow(v, 0.0, batch_invariant=True), d, sample).timed
+    invariant = Slow(v, 0.0)
+    invariant.batch_invariant = True  # what an engine with batch-invariant passes would say
+    assert not PipelinedDecoder(Slow(v, 0.0), d, greedy).timed
+    assert PipelinedDecoder(invariant, d, greedy).timed
+    assert not PipelinedDecoder(invariant, d, sample).timed
