@@ -13,7 +13,9 @@ chat completions, text completions, clients that disconnect mid-stream or before
 and bad requests (broken JSON, unknown model, a prompt beyond the context, a foreign Origin or
 Host, a form post, a chat template sent in `chat_template_kwargs`, an integer past Python's
 digit limit, a non-ASCII digit as a logit_bias key, a 60 KB request head). Greedy answers to the
-same request must be the same text every time (a corrupted or mixed answer would differ). Every answer is classified: expected outcomes by kind (200, 4xx for the bad
+same request must be the same text every time (a corrupted or mixed answer would differ); every
+request whose answer is compared says temperature 0, and `--prompts N` repeats N texts so that
+most answers are compared (with fresh random texts few requests ever repeat). Every answer is classified: expected outcomes by kind (200, 4xx for the bad
 inputs, 429 when the queue is full, the intended disconnects) and anything else as unexpected
 (a 5xx, a malformed body, a wrong status, a transport error nobody asked for). The server's RSS
 is read from /proc after warm-up, in the middle and at the end. Goal (issue 16): 0 unexpected
@@ -81,6 +83,11 @@ def chat(content: str, max_tokens: int, **extra) -> dict:
             "max_tokens": max_tokens, "temperature": 0, **extra}  # fmt: skip
 
 
+def completion(prompt: str, max_tokens: int) -> dict:
+    # temperature 0 said explicitly: OpenAI's default is 1, whose answers differ by design
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+
+
 # kind -> (weight, what counts as the expected answer)
 KINDS = {
     "chat": 30, "chat_stream": 20, "completion": 10, "disconnect_stream": 8,
@@ -93,27 +100,41 @@ KINDS = {
 # Greedy answers seen so far, by request: a later answer to the same request must be the same
 # text (an answer mixed with another's, or corrupted, would differ).
 ANSWERS: dict[tuple[str, str, int], str] = {}
+COMPARED = collections.Counter()  # answers checked against an earlier one to the same request
 
 
-def same_as_before(kind: str, text: str, n: int, answer: str) -> str | None:
-    """None if `answer` matches earlier answers to this request, else what differs."""
-    first = ANSWERS.setdefault((kind, text, n), answer)
+def same_as_before(kind: str, body: dict, text: str, n: int, answer: str) -> str | None:
+    """None if `answer` matches earlier answers to this request, else what differs. Only
+    greedy requests may be compared: a sampled answer differs from the last by design."""
+    if body.get("temperature") != 0:
+        raise ValueError(f"{kind}: only greedy answers (temperature 0) are comparable")
+    key = (kind, text, n)
+    if key in ANSWERS:
+        COMPARED[kind] += 1
+    first = ANSWERS.setdefault(key, answer)
     return (
         None
         if first == answer
-        else f"unexpected corrupted answer: {answer[:40]!r} != {first[:40]!r}"
+        else f"unexpected corrupted answer to {kind} {text!r} max_tokens={n}: "
+        f"{answer[:40]!r} != {first[:40]!r}"
     )
 
 
-async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
+def prompt_text(rng: random.Random, pool: int) -> str:
+    """Six random words; with `pool`, one of that many fixed texts (repeated requests, so most
+    greedy answers are compared with an earlier one)."""
+    if pool:
+        rng = random.Random(rng.randrange(pool))
+    return " ".join(rng.choice(["hello", "there", "robot", "paint", "story"]) for _ in range(6))
+
+
+async def one(client: httpx.AsyncClient, kind: str, rng: random.Random, pool: int = 0) -> str:
     """Send one request of `kind`; return its outcome ("ok:..." expected, else unexpected)."""
     n = rng.randint(4, 24)
-    text = " ".join(rng.choice(["hello", "there", "robot", "paint", "story"]) for _ in range(6))
+    text = prompt_text(rng, pool)
     url = "/v1/chat/completions"
     if kind in ("chat", "completion"):
-        body = (
-            chat(text, n) if kind == "chat" else {"model": MODEL, "prompt": text, "max_tokens": n}
-        )
+        body = chat(text, n) if kind == "chat" else completion(text, n)
         r = await client.post(url if kind == "chat" else "/v1/completions", json=body)
         if r.status_code == 429:
             return "ok:429 queue full"
@@ -122,7 +143,7 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
         usage = r.json()["usage"]
         choice = r.json()["choices"][0]
         answer = choice["message"]["content"] if kind == "chat" else choice["text"]
-        if (wrong := same_as_before(kind, text, n, answer)) is not None:
+        if (wrong := same_as_before(kind, body, text, n, answer)) is not None:
             return wrong
         return "ok:200" if usage["completion_tokens"] == n else f"unexpected usage {usage}"
     if kind in ("chat_stream", "disconnect_stream"):
@@ -140,7 +161,7 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
                 if kind == "disconnect_stream" and events == 4:
                     return "ok:disconnect mid-stream"  # leaving the block closes the connection
                 if line == "data: [DONE]":
-                    wrong = same_as_before("chat", text, n, "".join(pieces))
+                    wrong = same_as_before("chat", body, text, n, "".join(pieces))
                     return wrong or "ok:200 stream"
                 event = json.loads(line[6:])
                 if "error" in event:
@@ -220,7 +241,7 @@ async def soak(args: argparse.Namespace, port: int, pid: int) -> dict:
             nonlocal done
             for kind in todo:
                 try:
-                    outcome = await one(client, kind, rng)
+                    outcome = await one(client, kind, rng, args.prompts)
                 except Exception as e:  # a transport error nobody asked for
                     outcome = f"unexpected {type(e).__name__}: {e}"
                 outcomes[outcome.split(":")[0] + ":" + outcome.split(":", 1)[1][:60]
@@ -262,6 +283,13 @@ def main() -> int:
         help="the server's prompt cache budget (default 8: full within the warm-up, so RSS "
         "growth after it is not the cache filling up; the server's own default is 1024)",
     )
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=0,
+        help="draw the texts from this many fixed ones, so that most greedy answers repeat an "
+        "earlier request and are compared (default 0: six random words each time, of 15,625)",
+    )
     p.add_argument("--kinds", nargs="*", choices=list(KINDS), help="only these kinds of request")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args()
@@ -283,12 +311,15 @@ def main() -> int:
     for k, n in sorted(outcomes.items(), key=lambda kv: (not kv[0].startswith("ok:"), kv[0])):
         print(f"  {n:5d}  {k}")
     print(f"unexpected: {unexpected}")
+    compared = ", ".join(f"{k} {n}" for k, n in sorted(COMPARED.items())) or "none"
+    print(f"greedy answers compared with an earlier answer to the same request: {compared}")
     print("server RSS (MB): " + ", ".join(f"{k} {v:.1f}" for k, v in rss.items()))
     print(f"RSS end vs warm-up: {drift:+.1%}; health after: {result['health']}")
     trace = ", ".join(f"{t / 60:.1f} min {v:.1f}" for t, v in result["rss_every_30s"])
     print(f"RSS every 30 s (MB): {trace}")
     if args.json:
-        Path(args.json).write_text(json.dumps({**result, "unexpected": unexpected}, indent=1))
+        result.update(unexpected=unexpected, compared=dict(COMPARED))
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0 if unexpected == 0 and abs(drift) <= 0.10 else 1
 
 

@@ -134,6 +134,8 @@ class Generator:
         # reuse them. Started on first use. Its job queue is also the line of callers: a
         # generation asked for while another runs waits its turn (first come, first served).
         self._worker: Worker | None = None
+        # callers on several threads may ask for it at once: exactly one may start it
+        self._worker_lock = threading.Lock()
         self.prompt_cache = PrefixCache(prompt_cache_bytes)
         self._ll_tokenizer: Any = None  # llguidance's view of the vocabulary, for grammars
         self._fingerprints: dict[str, str] | None = None
@@ -365,14 +367,16 @@ class Generator:
     # -- the generation thread and the prompt cache -----------------------------------------
 
     def _thread(self) -> Worker:
-        if self._worker is None:
-            self._worker = Worker("ondevice-generate")
-            weakref.finalize(self, self._worker.stop)
-        return self._worker
+        with self._worker_lock:
+            if self._worker is None:
+                self._worker = Worker("ondevice-generate")
+                weakref.finalize(self, self._worker.stop)
+            return self._worker
 
     def close(self) -> None:
         """End the model's generation thread, waiting for it (a later call starts a new one)."""
-        worker, self._worker = self._worker, None
+        with self._worker_lock:
+            worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop()
 

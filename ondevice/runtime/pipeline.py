@@ -22,9 +22,14 @@ Exactness: the decisions come from the same `TokenChooser` as the sequential dec
 or sampling with noise keyed by (seed, position)), the draft is fed one token at a time as there,
 and block lengths follow the same token-only `DraftLength` schedule whenever they can change
 the output. So with a seed the tokens equal the sequential decoder's, however the two engines'
-timings interleave. Only under greedy decoding, where the block length cannot change the output,
-does the schedule use the clock: the block length then maximises the expected tokens per second
-of the cost model, and a block may be cut short when the verifier is ready for it.
+timings interleave. The clock may choose block lengths only where they cannot change the
+output: under greedy decoding with a verifier whose logits for a position are bitwise the same
+whatever else shares its pass (an engine with `batch_invariant = True`). The block length then
+maximises the expected tokens per second of the cost model, and a block may be cut short when
+the verifier is ready for it. MLX's CPU products through MKL are not batch-invariant (a row of a
+pass over 4 tokens differs in its last bits from the same row in a pass over 2), so there a
+clock-chosen length can make the same greedy request answer differently from run to run where
+two logits nearly tie (docs/reliability.md, "Greedy answers that differed").
 
 Cancellation: closing the generator waits for the verifier pass in flight and stops the helper
 thread, so nothing keeps running after `close()`.
@@ -202,8 +207,13 @@ class PipelinedDecoder(ChainDecoder):
         if draft is None:
             raise ValueError("the pipelined decoder needs a draft engine")
         super().__init__(verifier, draft, params, **options)
-        # the clock may choose block lengths only where they cannot change the output
-        self.timed = params.greedy and self.k.fixed is None
+        # the clock may choose block lengths only where they cannot change the output (see
+        # the module docstring); no engine declares `batch_invariant` yet
+        self.timed = (
+            params.greedy
+            and self.k.fixed is None
+            and bool(getattr(verifier, "batch_invariant", False))
+        )
         self.k_max = self.k.high
         self.cost = CostModel()
         self.explore_every = 16  # rounds
