@@ -55,4 +55,6 @@ def generation_stats(
         "peak_memory_bytes": int(mx.get_peak_memory()),
         "draft_backend": draft_backend if s.drafted else None,
         **dec.extra_stats(),
+        # why speculation was off, when it was for the whole generation
+        **({} if s.drafted else {"draft_skipped": dec.skip_reason or "nothing was proposed"}),
     }

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from ondevice.apps.chat_controller import ChatController, ChatState, Settings
-from ondevice.apps.formatting import format_prompt_cache, format_stats
+from ondevice.apps.formatting import format_limits, format_prompt_cache, format_stats
 
 HELP = """commands:
   /reset         forget the conversation
@@ -118,6 +118,7 @@ class TerminalChat:
             self.say("(conversation cleared)")
         elif name == "/stats":
             self.say(format_stats(self.ctrl.last_stats))
+            self.say(format_limits(self.ctrl.limits()))
             self.say(format_prompt_cache(self.ctrl.prompt_cache_stats()))
         elif name == "/system":
             if rest.strip():
