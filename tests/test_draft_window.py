@@ -83,6 +83,51 @@ def test_window_logits_are_a_fresh_draft_over_the_window(draft_model) -> None:
     assert win.moves > 0
 
 
+class CountingEngine(MLXEngine):
+    fed = 0
+
+    def feed(self, tokens, last_only=False):
+        self.fed += len(tokens)
+        return super().feed(tokens, last_only)
+
+
+@pytest.mark.parametrize("backend", ["mlx", "reference"])
+def test_drafts_rejected_across_a_move_cost_no_refill(bundle: Path, draft_model, backend) -> None:
+    """Drafting across the window's move, then trimming back (rejected drafts), round after
+    round: the window left behind is taken up again, not refilled from the sequence."""
+    from ondevice.runtime.coreml_engines import ReferenceDraftEngine
+
+    if backend == "mlx":
+        engine = CountingEngine(draft_model, CONTEXT)
+    else:
+        engine = ReferenceDraftEngine(bundle / "draft" / "draft.mlpackage")
+        fed = {"n": 0}
+        feed = engine.feed
+
+        def counting(tokens, last_only=False):
+            fed["n"] += len(tokens)
+            return feed(tokens, last_only)
+
+        engine.feed = counting  # type: ignore[method-assign]
+    win = draft_window(engine, context_length=512)
+    seq = [5 + t % 80 for t in range(3 * CONTEXT)]
+    win.feed(seq[: 2 * CONTEXT - 2], last_only=True)
+    count = (lambda: engine.fed) if backend == "mlx" else (lambda: fed["n"])
+    before = count()
+    for _ in range(6):  # drafts cross the move at 2 * CONTEXT, all but one rejected
+        n = win.length
+        for t in seq[n : n + 4]:
+            last = win.feed([t], last_only=True)
+        win.trim(3)
+        start = win.window_start(win.length)
+        fresh = MLXEngine(draft_model, CONTEXT)
+        want = fresh.feed(seq[start : win.length + 3], last_only=True)
+        if win.window_start(n + 3) == start:
+            np.testing.assert_allclose(last, want, atol=0.1)  # the package is float16
+    # one refill of the new window (CONTEXT / 2 tokens) in all, then only the drafts
+    assert count() - before <= CONTEXT // 2 + 6 * 4 + 2, count() - before
+
+
 def test_the_package_draft_never_exceeds_its_context(bundle: Path) -> None:
     from ondevice.runtime.coreml_engines import ReferenceDraftEngine
 
@@ -116,6 +161,15 @@ def test_long_prompt_keeps_drafting_with_the_plain_tokens(gen, method, pipeline)
         assert s["draft_backend"] == gen.draft_backend
     assert s["draft_window"] == CONTEXT and s["draft_window_moves"] > 0
     assert "draft_skipped" not in s
+
+
+def test_a_seed_means_the_same_past_the_window(gen) -> None:
+    """The window depends only on positions, so the pipelined decoder (which drafts ahead and
+    trims back across moves) gives the sequential decoder's tokens for a seed."""
+    kw = {"max_tokens": NEW, "chat_template": False, "temperature": 1.0, "seed": 3}
+    seq = gen.generate(LONG, pipeline=False, num_draft_tokens=3, cache_prompt=False, **kw)
+    pipe = gen.generate(LONG, pipeline=True, num_draft_tokens=3, cache_prompt=False, **kw)
+    assert seq.tokens == pipe.tokens and seq.stats["drafted"] > 0
 
 
 def test_long_prompts_with_the_prompt_cache(gen) -> None:

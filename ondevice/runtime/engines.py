@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -162,6 +163,11 @@ class DraftWindow:
     cache got there (a long feed, one token at a time, a trim back across a move), so every
     decoder sees the same draft distribution at a position and a seed keeps its meaning.
 
+    Drafts cross a move and are then rejected, again and again, until the committed sequence
+    is past it: so the window it left is kept aside (`_other`: an MLX cache as it is, a package
+    draft's KV copied) and taken up again, for the part of its tokens still in the sequence,
+    instead of being refilled; likewise the new one when drafting crosses the move again.
+
     With an engine that has tree passes (`feed_masked`, `keep`: MLX), so has the window; tree
     nodes are fed beyond the window's end without moving it (an MLX cache has no hard end).
     """
@@ -177,7 +183,9 @@ class DraftWindow:
         self.context_length = context_length  # the sequence's limit: the verifier's context
         self.tokens: list[int] = []
         self.start = 0  # the sequence position of the cache's first entry
-        self._stale = False  # the cache must be refilled before the next feed
+        self._held: list[int] = []  # what the cache holds (positions 0..), even when stale
+        self._stale = False  # the cache is not tokens[start:]: refilled at the next feed
+        self._other: tuple[int, list[int], Any] | None = None  # (start, held, snapshot)
         self.moves = 0  # refills from a window that starts past the sequence's beginning
 
     def window_start(self, i: int) -> int:
@@ -211,11 +219,12 @@ class DraftWindow:
         """The engine's cache was given `tokens` from outside (the prompt cache)."""
         if self.engine.length != len(tokens) or self.window_start(max(len(tokens) - 1, 0)):
             raise ValueError("a restored draft cache must hold a prefix within the window")
-        self.tokens, self.start, self._stale = [int(t) for t in tokens], 0, False
+        self.tokens, self._held = [int(t) for t in tokens], [int(t) for t in tokens]
+        self.start, self._stale, self._other = 0, False, None
 
     def reset(self) -> None:
         self.engine.reset()
-        self.tokens, self.start, self._stale = [], 0, False
+        self.tokens, self._held, self.start, self._stale, self._other = [], [], 0, False, None
 
     def trim(self, n: int) -> None:
         if n < 0 or n > len(self.tokens):
@@ -224,20 +233,53 @@ class DraftWindow:
             return
         end = len(self.tokens) - n
         del self.tokens[end:]
-        if end == 0:
-            self.reset()
-        elif not self._stale and end > self.start and self.window_start(end - 1) == self.start:
+        if not self._stale and end > self.start and self.window_start(end - 1) == self.start:
             self.engine.trim(n)
+            del self._held[end - self.start :]
         else:
-            self._stale = True  # back across a move: refilled at the next feed
+            self._stale = True  # back across a move: the other window, or a refill, next feed
+
+    # -- moving the window ------------------------------------------------------------------
+
+    def _snapshot(self) -> Any:
+        """The cache as it is, to be taken up again (None: this engine cannot)."""
+        inner = innermost(self.engine)
+        if isinstance(inner, MLXEngine):
+            return inner.cache  # `reset` gives the engine a new one: no copy
+        export = getattr(inner, "export_kv", None)
+        return export(inner.length) if export is not None else None
+
+    def _take_up(self, snapshot: Any) -> None:
+        inner = innermost(self.engine)
+        if isinstance(inner, MLXEngine):
+            inner.cache = snapshot
+        else:
+            inner.import_kv(snapshot)  # type: ignore[attr-defined]
 
     def _refill(self, seq: Sequence[int], start: int, end: int) -> None:
-        """Make the cache hold seq[start:end] at positions 0.."""
-        self.engine.reset()
-        if end > start:
-            self.engine.feed(seq[start:end], last_only=True)
-        self.moves += start > 0
-        self.start, self._stale = start, False
+        """Make the cache hold seq[start:end] at positions 0.., from what this window or the
+        other one still holds of them, the rest fed in one prefill."""
+        if start != self.start:  # swap windows: this one is kept aside, the other taken up
+            other = self._other
+            snapshot = self._snapshot() if self._held else None
+            self._other = (self.start, self._held, snapshot) if snapshot is not None else None
+            self.engine.reset()
+            self._held, self.start = [], start
+            if other is not None and other[0] == start:
+                self._take_up(other[2])
+                self._held = other[1]
+        same = 0
+        for a, b in zip(self._held, seq[start:end]):
+            if a != b:
+                break
+            same += 1
+        if same < len(self._held):
+            self.engine.trim(len(self._held) - same)
+        if end > start + same:
+            self.engine.feed(seq[start + same : end], last_only=True)
+            self.moves += start > 0
+        self._held = list(seq[start:end])
+        self._stale = False
 
     def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray:
         toks = [int(t) for t in tokens]
@@ -255,6 +297,7 @@ class DraftWindow:
             if self._stale or start != self.start or self.engine.length != i - start:
                 self._refill(seq, start, i)
             rows.append(self.engine.feed(seq[i:j], last_only=last_only and j == end))
+            self._held.extend(seq[i:j])
             i = j
         self.tokens = seq
         return rows[-1] if last_only else np.concatenate(rows, axis=0)
@@ -267,20 +310,23 @@ class TreeDraftWindow(DraftWindow):
     def feed_masked(
         self, tokens: Sequence[int], positions: Sequence[int], visible: np.ndarray
     ) -> np.ndarray:
-        if self._stale or self.engine.length != len(self.tokens) - self.start:
-            self._refill(self.tokens, self.window_start(len(self.tokens) - 1), len(self.tokens))
+        n = len(self.tokens)
+        if self._stale or self.engine.length != n - self.start:
+            self._refill(self.tokens, self.window_start(n - 1), n)
         s = self.start
         logits = self.engine.feed_masked(  # type: ignore[attr-defined]
             tokens, np.asarray(positions) - s, np.asarray(visible)[:, s:]
         )
         self.tokens.extend(int(t) for t in tokens)
+        self._held.extend(int(t) for t in tokens)
         return logits
 
     def keep(self, n_recent: int, indices: Sequence[int]) -> None:
         self.engine.keep(n_recent, indices)  # type: ignore[attr-defined]
-        recent = self.tokens[len(self.tokens) - n_recent :]
-        del self.tokens[len(self.tokens) - n_recent :]
-        self.tokens.extend(recent[i] for i in indices)
+        for held in (self.tokens, self._held):
+            recent = held[len(held) - n_recent :]
+            del held[len(held) - n_recent :]
+            held.extend(recent[i] for i in indices)
 
 
 def draft_window(engine: Engine, context_length: int, window: int | None = None) -> DraftWindow:
