@@ -1,6 +1,7 @@
-"""Soak: 1,000 bounded requests against `ondevice serve` on 127.0.0.1 with a tiny random pair.
+"""Soak: bounded requests against `ondevice serve` on 127.0.0.1 with a tiny random pair.
 
     python benchmarks/soak.py --requests 1000 --concurrency 4
+    python benchmarks/soak.py --minutes 10 --concurrency 8     # bounded by time instead
 
 Run it from outside the source tree to measure committed code in another checkout:
 `cd /tmp && PYTHONPATH=/path/to/checkout python /path/to/checkout/benchmarks/soak.py` (with the
@@ -10,7 +11,9 @@ The server runs as `ondevice serve` in a subprocess (the command users run), wit
 (--max-queue 2) so that concurrent clients also meet a full queue. The mix: whole and streamed
 chat completions, text completions, clients that disconnect mid-stream or before the answer,
 and bad requests (broken JSON, unknown model, a prompt beyond the context, a foreign Origin or
-Host, a form post). Every answer is classified: expected outcomes by kind (200, 4xx for the bad
+Host, a form post, a chat template sent in `chat_template_kwargs`, an integer past Python's
+digit limit, a non-ASCII digit as a logit_bias key, a 60 KB request head). Greedy answers to the
+same request must be the same text every time (a corrupted or mixed answer would differ). Every answer is classified: expected outcomes by kind (200, 4xx for the bad
 inputs, 429 when the queue is full, the intended disconnects) and anything else as unexpected
 (a 5xx, a malformed body, a wrong status, a transport error nobody asked for). The server's RSS
 is read from /proc after warm-up, in the middle and at the end. Goal (issue 16): 0 unexpected
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -82,7 +86,23 @@ KINDS = {
     "chat": 30, "chat_stream": 20, "completion": 10, "disconnect_stream": 8,
     "disconnect_wait": 4, "bad_json": 5, "other_model_name": 5, "too_long": 5,
     "foreign_origin": 5, "foreign_host": 4, "form_post": 4,
+    # issue 29: a template from the request, numbers past the digit limit, logit_bias keys
+    # that str.isdigit() takes, a 60 KB request head
+    "template_attack": 3, "huge_number": 2, "unicode_bias": 2, "long_head": 2,
 }  # fmt: skip
+# Greedy answers seen so far, by request: a later answer to the same request must be the same
+# text (an answer mixed with another's, or corrupted, would differ).
+ANSWERS: dict[tuple[str, str, int], str] = {}
+
+
+def same_as_before(kind: str, text: str, n: int, answer: str) -> str | None:
+    """None if `answer` matches earlier answers to this request, else what differs."""
+    first = ANSWERS.setdefault((kind, text, n), answer)
+    return (
+        None
+        if first == answer
+        else f"unexpected corrupted answer: {answer[:40]!r} != {first[:40]!r}"
+    )
 
 
 async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
@@ -100,6 +120,10 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
         if r.status_code != 200:
             return f"unexpected {r.status_code}: {r.text[:120]}"
         usage = r.json()["usage"]
+        choice = r.json()["choices"][0]
+        answer = choice["message"]["content"] if kind == "chat" else choice["text"]
+        if (wrong := same_as_before(kind, text, n, answer)) is not None:
+            return wrong
         return "ok:200" if usage["completion_tokens"] == n else f"unexpected usage {usage}"
     if kind in ("chat_stream", "disconnect_stream"):
         body = chat(text, n if kind == "chat_stream" else 400, stream=True)
@@ -108,7 +132,7 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
                 return "ok:429 queue full"
             if r.status_code != 200:
                 return f"unexpected {r.status_code}"
-            events = 0
+            events, pieces = 0, []
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -116,9 +140,13 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
                 if kind == "disconnect_stream" and events == 4:
                     return "ok:disconnect mid-stream"  # leaving the block closes the connection
                 if line == "data: [DONE]":
-                    return "ok:200 stream"
-                if "error" in json.loads(line[6:]):
+                    wrong = same_as_before("chat", text, n, "".join(pieces))
+                    return wrong or "ok:200 stream"
+                event = json.loads(line[6:])
+                if "error" in event:
                     return f"unexpected error event {line[:120]}"
+                if event.get("choices"):
+                    pieces.append(event["choices"][0]["delta"].get("content") or "")
             return "unexpected stream without [DONE]"
     if kind == "disconnect_wait":
         try:
@@ -132,7 +160,8 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
             return f"ok:{r.status_code} {kind}"
         return f"unexpected {r.status_code} for {kind} (want 200 or 429): {r.text[:120]}"
     expected = {"bad_json": 400, "too_long": 400, "foreign_origin": 403,
-                "foreign_host": 421, "form_post": 415}[kind]  # fmt: skip
+                "foreign_host": 421, "form_post": 415, "template_attack": 400,
+                "huge_number": 400, "unicode_bias": 400, "long_head": 431}[kind]  # fmt: skip
     headers = {"Content-Type": "application/json"}
     content = json.dumps(chat(text, n)).encode()
     if kind == "bad_json":
@@ -145,7 +174,18 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
         headers["Host"] = "attacker.example"
     elif kind == "form_post":
         headers["Content-Type"] = "application/x-www-form-urlencoded"
+    elif kind == "template_attack":  # 146 bytes that rendered a 3 MB prompt before issue 29
+        template = {"template": "{{ 'ab ' * 1000000 }}"}
+        content = json.dumps(chat(text, n, chat_template_kwargs=template)).encode()
+    elif kind == "huge_number":
+        content = content[:-1] + b', "x": ' + b"9" * 5000 + b"}"
+    elif kind == "unicode_bias":
+        content = json.dumps(chat(text, n, logit_bias={rng.choice("²①٣𝟘"): 1})).encode()
+    elif kind == "long_head":
+        headers.update({f"X-Pad-{i}": "y" * 1000 for i in range(60)})
     r = await client.post(url, content=content, headers=headers)
+    if r.status_code == 429 and expected == 400:  # a full line answers before the body is read
+        return "ok:429 queue full"
     if r.status_code != expected:
         return f"unexpected {r.status_code} for {kind} (want {expected}): {r.text[:120]}"
     err = r.json().get("error", {})
@@ -157,15 +197,24 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
 async def soak(args: argparse.Namespace, port: int, pid: int) -> dict:
     rng = random.Random(args.seed)
     mix = {k: w for k, w in KINDS.items() if not args.kinds or k in args.kinds}
-    kinds = rng.choices(list(mix), weights=list(mix.values()), k=args.requests)
     outcomes: collections.Counter[str] = collections.Counter()
     rss: dict[str, float] = {"start": rss_mb(pid)}
+    samples: list[tuple[float, float]] = []  # (seconds, RSS MB) every 30 s
     done = 0
+    t_start = time.monotonic()
+
+    def kinds() -> Iterator[str]:
+        """The requests to send: `--requests` of them, or as many as `--minutes` allow."""
+        n = 0
+        while time.monotonic() - t_start < args.minutes * 60 if args.minutes else n < args.requests:
+            n += 1
+            yield rng.choices(list(mix), weights=list(mix.values()))[0]
+
     limits = httpx.Limits(max_connections=args.concurrency + 2)
     async with httpx.AsyncClient(
         base_url=f"http://127.0.0.1:{port}", timeout=60, limits=limits
     ) as client:
-        todo = iter(kinds)
+        todo = kinds()
 
         async def worker() -> None:
             nonlocal done
@@ -179,8 +228,12 @@ async def soak(args: argparse.Namespace, port: int, pid: int) -> dict:
                 done += 1
                 if done >= args.warmup and "warm-up" not in rss:
                     rss["warm-up"] = rss_mb(pid)
-                if done >= args.requests // 2 and "middle" not in rss:
+                elapsed = time.monotonic() - t_start
+                half = elapsed >= args.minutes * 30 if args.minutes else done >= args.requests // 2
+                if half and "middle" not in rss:
                     rss["middle"] = rss_mb(pid)
+                if not samples or elapsed - samples[-1][0] >= 30:
+                    samples.append((elapsed, rss_mb(pid)))
                 if "429" in outcome:
                     await asyncio.sleep(0.1)  # as a client does: back off, then go on
 
@@ -190,12 +243,14 @@ async def soak(args: argparse.Namespace, port: int, pid: int) -> dict:
         await asyncio.sleep(1.0)  # let the last cancelled generations stop
         health = (await client.get("/health")).json()
     rss["end"] = rss_mb(pid)
-    return {"outcomes": outcomes, "rss_mb": rss, "seconds": elapsed, "health": health}
+    return {"outcomes": outcomes, "rss_mb": rss, "seconds": elapsed, "health": health,
+            "requests": done, "rss_every_30s": samples}  # fmt: skip
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--minutes", type=float, default=0, help="run this long instead of --requests")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-queue", type=int, default=2)
     p.add_argument("--warmup", type=int, default=100, help="requests before the RSS baseline")
@@ -223,13 +278,15 @@ def main() -> int:
     unexpected = sum(n for k, n in outcomes.items() if not k.startswith("ok:"))
     rss = result["rss_mb"]
     drift = (rss["end"] - rss["warm-up"]) / rss["warm-up"]
-    print(f"{args.requests} requests, {args.concurrency} clients, --max-queue {args.max_queue}, "
-          f"{result['seconds']:.1f} s")  # fmt: skip
+    print(f"{result['requests']} requests, {args.concurrency} clients, --max-queue "
+          f"{args.max_queue}, {result['seconds']:.1f} s")  # fmt: skip
     for k, n in sorted(outcomes.items(), key=lambda kv: (not kv[0].startswith("ok:"), kv[0])):
         print(f"  {n:5d}  {k}")
     print(f"unexpected: {unexpected}")
     print("server RSS (MB): " + ", ".join(f"{k} {v:.1f}" for k, v in rss.items()))
     print(f"RSS end vs warm-up: {drift:+.1%}; health after: {result['health']}")
+    trace = ", ".join(f"{t / 60:.1f} min {v:.1f}" for t, v in result["rss_every_30s"])
+    print(f"RSS every 30 s (MB): {trace}")
     if args.json:
         Path(args.json).write_text(json.dumps({**result, "unexpected": unexpected}, indent=1))
     return 0 if unexpected == 0 and abs(drift) <= 0.10 else 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 import time
 import weakref
@@ -14,12 +15,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import CoreMLRuntimeError, CoreMLUnavailableError, OndeviceError
 from ondevice.models import LoadedModel, load_model
-from ondevice.models.tokenizer import Tokenizer, check_pair
+from ondevice.models.tokenizer import RESERVED_TEMPLATE_ARGS, Tokenizer, check_pair
 from ondevice.results import Chunk, GenerationResult
+from ondevice.runtime.coreml_engines import fall_back
 from ondevice.runtime.decoders import METHODS as METHODS
 from ondevice.runtime.decoders import check_method, make_decoder
+from ondevice.runtime.drift import DriftMonitor, check_domain, read_baseline, state_key
 from ondevice.runtime.engines import (
     DRAFT_BACKENDS,
     MLXEngine,
@@ -27,6 +30,7 @@ from ondevice.runtime.engines import (
     innermost,
     make_draft_engine,
 )
+from ondevice.runtime.memory import apply_metal_limits, param_bytes
 from ondevice.runtime.placement import Placement, place_draft
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
 from ondevice.speculative.sampling import Grammar, SamplingParams, Transform
@@ -57,8 +61,39 @@ def _check_int(name: str, value: Any, low: int, none_ok: bool = False) -> None:
 
 
 def _check_type(name: str, value: Any, types: type | tuple[type, ...], what: str) -> None:
-    if not isinstance(value, types):
+    types = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise OndeviceError(f"{name} must be {what}, got {value!r}.")
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """OndeviceError naming the first of `Generator.stream`'s options of the wrong type: a
+    string where a number belongs ("0.7") or a number where a flag belongs is refused here, not
+    coerced (their ranges are checked by `SamplingParams`)."""
+    number = numbers.Real  # numpy's scalars too; not str, not bool
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):  # fmt: skip
+        _check_type(name, options[name], number, "a number")
+    _check_int("top_k", options["top_k"], 0)
+    _check_int("logprobs", options["logprobs"], 0, none_ok=True)
+    for flag in ("speculative", "chat_template", "cache_prompt"):
+        _check_type(flag, options[flag], bool, "True or False")
+    _check_type("pipeline", options["pipeline"], (bool, type(None)), "True, False or None")
+    _check_type("method", options["method"], str, "a method name")
+    _check_type("tools", options["tools"], (list, tuple, type(None)), "a list of tools or None")
+    _check_type("chat_template_kwargs", options["chat_template_kwargs"], (dict, type(None)),
+                "a dict or None")  # fmt: skip
+    reserved = sorted(set(options["chat_template_kwargs"] or ()) & set(RESERVED_TEMPLATE_ARGS))
+    if reserved:
+        raise OndeviceError(
+            f"chat_template_kwargs: {reserved[0]!r} is reserved (an argument of the chat "
+            "template function itself); rename it."
+        )
+    bias = options["logit_bias"] or {}
+    _check_type("logit_bias", bias, dict, "a dict of token id -> bias")
+    for token, value in bias.items():
+        _check_int("logit_bias token id", token, 0)
+        _check_type(f"logit_bias[{token}]", value, number, "a number")
 
 
 class Generator:
@@ -83,25 +118,47 @@ class Generator:
                 context_length=pair.draft_context,
             )
             if draft_backend == "auto" and self.draft.name == "coreml" and pair.draft:
-                mlx = make_draft_engine(
-                    "mlx", mlx_model=pair.draft.model, mlpackage=None,
-                    context_length=pair.draft_context,
-                )  # fmt: skip
-                engines = {"coreml": self.draft, "mlx": mlx}
-                self.draft, self.placement = place_draft(self.verifier, engines)
+                mlx = MLXEngine(pair.draft.model, pair.draft_context)
+                try:  # placement runs both functions too: a failure there falls back as well
+                    self.draft, self.placement = place_draft(
+                        self.verifier, {"coreml": self.draft, "mlx": mlx}
+                    )
+                except CoreMLUnavailableError as e:
+                    fall_back(str(e), "bundle's MLX", pair.mlpackage)  # type: ignore[arg-type]
+                    self.draft = mlx
+                del mlx
+                if self.draft.name == "coreml" and "reload_draft" in pair.extra:
+                    pair.draft = None  # the losing MLX draft's memory goes back (8 GB Macs)
+                    mx.clear_cache()
+        self.draft_backend = self.draft.name if self.draft is not None else None
+        draft_mlx = self.draft.model if isinstance(self.draft, MLXEngine) else None
+        apply_metal_limits(
+            param_bytes(self.verifier.model) + (param_bytes(draft_mlx) if draft_mlx else 0)
+        )
+        if self.draft is not None:
             # past its own context the draft drafts from the newest tokens (a sliding window)
             self.draft = draft_window(self.draft, self.context_length)
-        self.draft_backend = self.draft.name if self.draft is not None else None
         # the draft's window in tokens (None: no draft); prompts may be longer (context_length)
         self.draft_context = self.draft.window if self.draft is not None else None
-        self._lock = threading.Lock()  # one generation at a time per loaded model
         # The model's generation thread: every generation runs there, so the KV caches (whose
         # MLX arrays belong to the thread's stream) outlive a call and the prompt cache can
-        # reuse them. Started on first use.
+        # reuse them. Started on first use. Its job queue is also the line of callers: a
+        # generation asked for while another runs waits its turn (first come, first served).
         self._worker: Worker | None = None
         self.prompt_cache = PrefixCache(prompt_cache_bytes)
         self._ll_tokenizer: Any = None  # llguidance's view of the vocabulary, for grammars
         self._fingerprints: dict[str, str] | None = None
+        self._marks: tuple[str | None, str, tuple[str, ...]] | None = None  # _template_marks
+        # the pair's rolling acceptance against the one its bundle recorded (runtime/drift.py)
+        from ondevice.models.hub import cache_dir
+
+        drafts = pair.mlpackage or (pair.draft.path if pair.draft else None)
+        self.drift = DriftMonitor(
+            pair.extra.get("baseline"),
+            model=self.model_name,
+            key=state_key(str(pair.verifier.path), str(drafts or "")),
+            state_dir=cache_dir() / "drift",
+        )
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -124,6 +181,8 @@ class Generator:
         tok = self.tokenizer
         if isinstance(prompt, str):
             if chat_template and tok.chat_template:
+                if self.is_templated(prompt):  # rendered already: templating again doubles it
+                    return tok.encode(prompt, add_special_tokens=False)
                 text = tok.apply_chat_template([{"role": "user", "content": prompt}], **chat)
                 return tok.encode(text, add_special_tokens=False)
             return tok.encode(prompt)
@@ -146,6 +205,34 @@ class Generator:
         raise OndeviceError(
             "prompt must be a string, a list of {'role','content'} messages, or a list of token ids."
         )
+
+    def is_templated(self, text: str) -> bool:
+        """Whether a prompt string was already rendered by a chat template (mlx-lm's users pass
+        `tokenizer.apply_chat_template(...)`'s text): it begins as the template renders a user
+        message, or holds a special token the template writes around messages (such as
+        `<|im_start|>`). Such a string is encoded as it is, not wrapped in the template again."""
+        prefix, markers = self._template_marks()
+        return (bool(prefix.strip()) and text.startswith(prefix)) or any(m in text for m in markers)
+
+    def _template_marks(self) -> tuple[str, tuple[str, ...]]:
+        """The chat template's text before a user message's content, and the special tokens it
+        writes; cached per template (--chat-template may replace it)."""
+        tok = self.tokenizer
+        cached = self._marks
+        if cached is not None and cached[0] == tok.chat_template:
+            return cached[1], cached[2]
+        sentinel = "\u2063ondevice\u2063"
+        try:
+            rendered = tok.apply_chat_template([{"role": "user", "content": sentinel}])
+        except OndeviceError:  # a template that needs a system turn, ... : no prefix to match
+            rendered = ""
+        prefix = rendered.split(sentinel)[0] if sentinel in rendered else ""
+        specials = tok._tok.get_added_tokens_decoder().values()
+        markers = tuple(
+            t.content for t in specials if t.special and t.content and t.content in rendered
+        )
+        self._marks = (tok.chat_template, prefix, markers)
+        return prefix, markers
 
     def count_tokens(self, prompt: Prompt, chat_template: bool = True, **chat: Any) -> int:
         return len(self.encode_prompt(prompt, chat_template, **chat))
@@ -203,6 +290,7 @@ class Generator:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         cache_prompt: bool = True,
+        domain: str | None = None,
         _cancel: threading.Event | None = None,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are decided; the last chunk carries finish_reason and stats.
@@ -220,7 +308,12 @@ class Generator:
         draft alike, so speculation stays exact for the transformed law. logprobs: report the
         verifier's log-probabilities of the emitted tokens (and of the `logprobs` most likely).
         tools, chat_template_kwargs: passed to the chat template (see `encode_prompt`).
+        domain: the kind of request ("code", "chat", "math", ...) whose draft acceptance this
+        generation counts towards (see `acceptance_drift`); None counts it in one default bucket.
+        Generations asked for from several threads (or while one is being read) wait their
+        turn, first come first served, and each gives the tokens it would give alone.
         """
+        _check_options(locals())
         try:
             params = SamplingParams(
                 float(temperature), float(top_p), int(top_k), float(min_p),
@@ -233,9 +326,7 @@ class Generator:
         _check_int("max_tokens", max_tokens, 0)
         _check_int("num_draft_tokens", num_draft_tokens, 0, none_ok=True)
         _check_int("seed", seed, 0, none_ok=True)
-        for flag, value in (("speculative", speculative), ("chat_template", chat_template)):
-            _check_type(flag, value, bool, "True or False")
-        _check_type("pipeline", pipeline, (bool, type(None)), "True, False or None")
+        domain = check_domain(domain)
         if not (stop is None or isinstance(stop, str) or (
             isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)
         )):  # fmt: skip
@@ -246,19 +337,41 @@ class Generator:
         if not ids:
             raise OndeviceError("the prompt is empty (it encodes to no tokens); pass some text.")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not self._lock.acquire(blocking=False):
-            raise OndeviceError("this model is already generating; wait for it to finish.")
-        try:
-            cancel = _cancel or threading.Event()
+        cancel = _cancel or threading.Event()
 
-            def job() -> Iterator[Chunk]:
+        # greedy chain drafts are what the bundle's acceptance baseline measured
+        plain = (
+            params.temperature == 0
+            and grammar is None
+            and not logit_bias
+            and (repetition_penalty == 1 and presence_penalty == 0 and frequency_penalty == 0)
+        )
+        comparable = speculative and self.draft is not None and method == "chain" and plain
+        bucket = self.drift.bucket(domain) if comparable else None
+
+        def job() -> Iterator[Chunk]:
+            for retry in (False, True):
                 dec = self._decoder(params, seed, num_draft_tokens, speculative, method, pipeline)
                 draft = self.draft if speculative else None
-                return self._cached_stream(dec, draft, ids, max_tokens, stops, cancel, cache_prompt)
+                started = False
+                try:
+                    for chunk in self._cached_stream(
+                        dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket
+                    ):
+                        started = True
+                        yield chunk
+                    return
+                except CoreMLRuntimeError as e:
+                    # Core ML failed mid-use: this model moves to the MLX draft; a request
+                    # that has sent nothing yet starts again on it
+                    self._leave_core_ml(str(e))
+                    if started or retry:
+                        raise
 
-            yield from self._thread().iterate(job, cancel)
-        finally:
-            self._lock.release()
+        # Queued on the model's thread behind the generations asked for earlier (by any
+        # thread); the job never waits for its consumer, so a caller that starts a second
+        # generation while reading the first one cannot deadlock.
+        yield from self._thread().iterate(job, cancel)
 
     # -- the generation thread and the prompt cache -----------------------------------------
 
@@ -268,11 +381,17 @@ class Generator:
             weakref.finalize(self, self._worker.stop)
         return self._worker
 
+    def close(self) -> None:
+        """End the model's generation thread, waiting for it (a later call starts a new one)."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
+
     def _call(self, fn: Callable[[], Any]) -> Any:
         """fn() on the model's thread (it may touch the caches); its result or exception."""
         return self._thread().call(fn)
 
-    def _cached_stream(self, dec, draft, ids, max_tokens, stops, cancel, cache_prompt):
+    def _cached_stream(self, dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket):
         """`_stream` from the prompt cache's longest prefix of `ids`; afterwards the caches are
         kept there (or dropped when the generation failed mid-round)."""
         t = time.perf_counter()
@@ -297,6 +416,8 @@ class Generator:
                         chunk.stats["draft_window_moves"] = draft.moves - moves
                     chunk.stats["prompt_seconds"] += t_restore
                     chunk.stats["total_seconds"] += t_restore
+                    if bucket is not None:
+                        self.drift.observe(bucket, chunk.stats)
                 yield chunk
         except GeneratorExit:
             raise
@@ -312,10 +433,38 @@ class Generator:
                 )
             self._reset_engines()
 
+    def _leave_core_ml(self, reason: str) -> None:
+        """Move the draft off Core ML for good (on the model's thread): to the bundle's MLX
+        draft, else to the reference executor of the same package; one line says why."""
+        if self.draft is None or self.draft.name != "coreml":
+            return
+        pair = self._pair
+        if pair.draft is None and "reload_draft" in pair.extra:
+            pair.draft = pair.extra["reload_draft"]()
+        to = "bundle's MLX" if pair.draft is not None else "reference"
+        fall_back(reason, to, pair.mlpackage)  # type: ignore[arg-type]
+        engine = make_draft_engine(
+            "mlx" if pair.draft is not None else "reference",
+            mlx_model=pair.draft.model if pair.draft is not None else None,
+            mlpackage=pair.mlpackage,
+            context_length=pair.draft_context,
+        )
+        self.draft = draft_window(engine, self.context_length)
+        self.draft_backend = self.draft.name
+        self.placement = None
+        self._fingerprints = None
+
     def _reset_engines(self) -> None:
         self.verifier.reset()
         if self.draft is not None:
             self.draft.reset()
+
+    def acceptance_drift(self) -> dict[str, Any]:
+        """The draft's rolling acceptance per domain against the one its bundle recorded when
+        it was made, and whether it has fallen (see `ondevice.runtime.drift`): {"baseline",
+        "alarm", "advice", "window", "domains": {name: acceptance, trials, baseline, threshold,
+        alarm, since}}."""
+        return self.drift.status()
 
     def prompt_cache_stats(self) -> dict[str, int]:
         """entries, bytes, max_bytes, hits, misses, evictions and cached_tokens (in total)."""
@@ -355,8 +504,6 @@ class Generator:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens; the model's context is {self.context_length}."
             )
-        if not self._lock.acquire(blocking=False):
-            raise OndeviceError("this model is already generating; wait for it to finish.")
 
         def work() -> None:
             from ondevice.speculative.engine import prefill
@@ -371,10 +518,7 @@ class Generator:
             finally:
                 self._reset_engines()
 
-        try:
-            self._call(work)
-        finally:
-            self._lock.release()
+        self._call(work)  # after the generations already queued
         return len(ids)
 
     def load_prompt_cache(self, path: str | Path) -> int:
@@ -435,6 +579,19 @@ class Generator:
                 yield chunk
 
 
+def _bundle_draft(pair: _Pair, b: Any, opts: dict[str, Any]) -> None:
+    """The draft of bundle `b` (its MLX copy and Core ML package) and its acceptance baseline."""
+    from ondevice.models.bundle import MANIFEST
+
+    pair.draft = load_model(b.draft_mlx_dir, **opts) if b.draft_mlx_dir else None
+    pair.mlpackage, pair.draft_context = b.mlpackage, b.context_length
+    pair.extra["baseline"] = read_baseline(b.manifest, b.path / MANIFEST)
+    if pair.draft is not None:  # the Generator frees the MLX draft when Core ML wins
+        pair.extra["reload_draft"] = lambda: load_model(b.draft_mlx_dir, **opts)
+    else:
+        pair.extra.pop("reload_draft", None)
+
+
 def load(
     verifier: str | Path,
     draft: str | Path | None = None,
@@ -447,7 +604,9 @@ def load(
     prompt_cache_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Generator:
     """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
-    draft. A pair bundle brings its own draft (Core ML and MLX).
+    draft. A pair bundle brings its own draft (Core ML and MLX); `draft` may also be a bundle,
+    whose draft then serves this verifier (a fine-tuned one, say) and whose recorded
+    acceptance tells when the two agree less (`Generator.acceptance_drift`).
 
     dequantize: expand quantized weights to float32 on load. Default: only where MLX runs on
     the CPU (Linux), because there its quantized matmul costs grow with every token of a
@@ -486,14 +645,20 @@ def load(
     if is_bundle(path):
         b = open_bundle(path)
         v = load_model(b.verifier_dir, quantize=quantize, **opts)
-        d = load_model(b.draft_mlx_dir, **opts) if b.draft_mlx_dir else None
-        pair = _Pair(v, d, b.mlpackage, b.context_length, {"name": path.name})
+        pair = _Pair(v, extra={"name": path.name})
+        _bundle_draft(pair, b, opts)
     else:
         v = load_model(path, quantize=quantize, **opts)
         pair = _Pair(v)
     if draft is not None:
-        pair.draft = load_model(draft, **opts)
-        pair.mlpackage = None
+        draft_path = resolve(draft)
+        if is_bundle(draft_path):  # a bundle's draft, with the acceptance it recorded
+            _bundle_draft(pair, open_bundle(draft_path), opts)
+        else:
+            pair.draft = load_model(draft_path, **opts)
+            pair.mlpackage = None
+            for key in ("reload_draft", "baseline"):
+                pair.extra.pop(key, None)
     if pair.draft is not None:
         check_pair(pair.verifier.tokenizer, pair.draft.tokenizer, pair.draft.config.vocab_size)
     gen = Generator(pair, draft_backend, prompt_cache_bytes)

@@ -1,5 +1,9 @@
 """Errors a user can act on. The CLI prints their message without a traceback."""
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 
 class OndeviceError(Exception):
     """Base class: the message says what is wrong and what to do."""
@@ -31,3 +35,18 @@ class ConversionError(OndeviceError):
 
 class CoreMLUnavailableError(OndeviceError):
     """Core ML cannot run the draft here (native module, compilation, load, state, prediction)."""
+
+
+class CoreMLRuntimeError(CoreMLUnavailableError):
+    """Core ML failed after the draft had started (a prediction, a state read or write)."""
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """A hint naming the known names closest to a mistyped `name` (difflib's ratio, as git and
+    pip suggest): " Did you mean 'x'?", or "" when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return " Did you mean " + " or ".join(repr(c) for c in close) + "?"

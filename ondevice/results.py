@@ -8,6 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ondevice.runtime.memory import peak_footprint_bytes
 from ondevice.speculative.decoding import Decoder
 from ondevice.speculative.sampling import TokenLogprob
 
@@ -45,6 +46,7 @@ def generation_stats(
         "rounds": s.rounds,
         "drafted": s.drafted,
         "accepted": s.accepted,
+        "rejected_rounds": s.rejected,
         "acceptance_rate": s.accepted / s.drafted if s.drafted else 0.0,
         "mean_accepted_length": (s.accepted + s.rounds) / s.rounds if s.rounds else 0.0,
         "tokens_per_second": n_gen / gen_time,
@@ -52,7 +54,8 @@ def generation_stats(
         "time_draft_s": dec.time_draft,
         "time_verify_s": dec.time_verify,
         "total_seconds": elapsed,
-        "peak_memory_bytes": int(mx.get_peak_memory()),
+        "peak_memory_bytes": int(mx.get_peak_memory()),  # MLX's arrays only
+        "process_peak_bytes": peak_footprint_bytes(),  # with the Core ML draft and the rest
         "draft_backend": draft_backend if s.drafted else None,
         **dec.extra_stats(),
         # why speculation was off, when it was for the whole generation

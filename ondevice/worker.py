@@ -48,6 +48,8 @@ class Worker:
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             fn, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue  # its caller left while it waited in line
             try:
                 fut.set_result(fn())
             except BaseException as e:
@@ -79,7 +81,8 @@ class Worker:
                 yield item
         finally:
             cancel.set()
-            finished.result()  # the job is over when this returns
+            if not finished.cancel():  # still in line: dropped, nothing to wait for
+                finished.result()  # the job is over when this returns
 
     async def aiterate(
         self, job: Callable[[], Iterable[T]], cancel: threading.Event
@@ -112,6 +115,7 @@ class Worker:
                 yield item
         finally:
             cancel.set()
+            finished.cancel()  # a job still in line is dropped (then `joined` is done at once)
             # Wait for the job to finish its step even if this task is cancelled again
             # meanwhile (servers cancel disconnected requests): the thread must be free on return.
             joined = asyncio.wrap_future(finished)

@@ -515,3 +515,76 @@ def test_a_symlink_out_of_the_bundle_is_refused(bundle_dir: Path, tmp_path: Path
         open_bundle(b)
     with pytest.raises(BundleError, match="outside the bundle"):
         open_bundle(b, verify=False)
+
+
+# -- issue 29: nothing in a bundle that the manifest does not vouch for ---------------------------
+
+
+def _list_file(root: Path, rel: str) -> None:
+    """Add `rel` to the manifest with its true sha256 and size (a tamperer can do as much)."""
+    f = root / rel
+    entry = {"sha256": sha256_file(f), "size": f.stat().st_size}
+    _edit_manifest(root, lambda m: m["files"].update({rel: entry}))
+
+
+def _index(root: Path, shard: str) -> str:
+    rel = "verifier/model.safetensors.index.json"
+    weights = root / "verifier" / "model.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "np") as f:
+        names = list(f.keys())
+    (root / rel).write_text(json.dumps({"weight_map": {n: shard for n in names}}))
+    _list_file(root, rel)
+    return rel
+
+
+def _tamper(b: Path, case: str, outside: Path) -> str:
+    """Tamper with bundle `b` as `case` says; returns the file the refusal must name."""
+    import shutil
+
+    outside.mkdir()
+    shutil.copy(b / "verifier" / "model.safetensors", outside / "model.safetensors")
+    if case == "extra_weights":
+        shutil.copy(b / "draft" / "mlx" / "model.safetensors", b / "verifier" / "x.safetensors")
+        return "verifier/x.safetensors"
+    if case == "index_parent":
+        return _index(b, "../../" + outside.name + "/model.safetensors")
+    if case == "index_absolute":
+        return _index(b, str(outside / "model.safetensors"))
+    if case == "unlisted_symlink":
+        (b / "verifier" / "y.safetensors").symlink_to(outside / "model.safetensors")
+        return "verifier/y.safetensors"
+    if case == "unlisted_template":
+        (b / "tokenizer" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+        (b / "verifier" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+        return "chat_template.jinja"
+    if case == "no_files":
+        _edit_manifest(b, lambda m: m.update(files={}))
+        return "'files'"
+    if case == "nul_name":
+        entry = {"sha256": "0" * 64, "size": 1}
+        _edit_manifest(b, lambda m: m["files"].update({"verifier/a\u0000b": entry}))
+        return "files.verifier/a"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["extra_weights", "index_parent", "index_absolute", "unlisted_symlink", "unlisted_template",
+     "no_files", "nul_name"],
+)  # fmt: skip
+def test_load_and_check_refuse_what_the_manifest_does_not_list(
+    bundle_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    """Each of these loaded (and changed the answers) before issue 29, and `--check` exited 0."""
+    import ondevice
+
+    b = _copy(bundle_dir, tmp_path / "b")
+    named = _tamper(b, case, tmp_path / "elsewhere")
+    with pytest.raises(BundleError, match=re.escape(named)):
+        ondevice.load(b)
+    capsys.readouterr()
+    assert cli.main(["--check", str(b)]) == 1
+    out = capsys.readouterr()
+    assert named.strip("'") in out.out + out.err and "Traceback" not in out.err

@@ -436,3 +436,51 @@ def test_nothing_in_the_package_imports_the_menubar():
     for path in (ROOT / "ondevice").rglob("*.py"):
         if path.name != "menubar.py":
             assert "apps.menubar" not in path.read_text(), path
+
+
+# -- multi-line messages and resumed conversations (issue 28, item 9) ----------------------------
+
+
+def _script(*lines: str):
+    it = iter(lines)
+
+    def ask(prompt: str) -> str:
+        try:
+            return next(it)
+        except StopIteration:
+            raise EOFError from None
+
+    return ask
+
+
+def test_multi_line_messages_as_in_mlx_lm_and_ollama():
+    from ondevice.apps.chat import read_message
+
+    assert read_message(_script("one \\", "two\\", "three")) == "one \ntwo\nthree"
+    assert read_message(_script('"""', "def f():", "    return 1", '"""')) == (
+        "def f():\n    return 1"
+    )
+    assert read_message(_script('"""first', "second", 'last"""')) == "first\nsecond\nlast"
+    assert read_message(_script('"""all on one line"""')) == "all on one line"
+    assert read_message(_script("plain")) == "plain"
+    with pytest.raises(EOFError):  # the input ended inside a block
+        read_message(_script('"""', "unfinished"))
+
+
+def test_terminal_chat_sends_a_block_as_one_message_and_says_it_resumed(models, tmp_path):
+    import io
+
+    from ondevice.apps.chat import TerminalChat
+
+    path = tmp_path / "history.json"
+    ctrl = loaded(models, greedy(4), history_path=path)
+    out = io.StringIO()
+    TerminalChat(ctrl, out=out, ask=_script('"""', "line one", "line two", '"""')).loop()
+    assert "(the conversation is kept in" in out.getvalue()
+    assert ctrl.messages[0] == {"role": "user", "content": "line one\nline two"}
+    assert [m["role"] for m in ctrl.messages] == ["user", "assistant"]
+
+    again = loaded(models, greedy(4), history_path=path)
+    out = io.StringIO()
+    TerminalChat(again, out=out, ask=_script()).loop()
+    assert f"(resumed 1 earlier turn from {path}; /reset starts afresh)" in out.getvalue()

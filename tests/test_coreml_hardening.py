@@ -1,9 +1,9 @@
 """Core ML hardening (issue 15): what a Mac user would hit first, caught on Linux.
 
-Core ML itself cannot run here, so its failure modes are injected: a fake Core ML (a fake
-native module, `compile_model` and `CompiledMLModel` that run the real package with the reference
-executor) fails to load, fails `make_state`, fails `predict` or returns NaN, or the native module
-is missing. Numerics run the real converted package through the reference executor, in float32
+Core ML itself cannot run here, so its failure modes are injected through the strict Core ML
+stand-in (`support.coreml`: coremltools' own Python layer over a fake native module that runs the
+real package with the reference executor): it fails to load, fails `make_state`, fails `predict`
+or returns NaN, or the native module is missing. Numerics run the real converted package through the reference executor, in float32
 and in the emulated float16-accumulate mode.
 """
 
@@ -16,12 +16,12 @@ import re
 import shutil
 import sys
 import types
-import weakref
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from support import coreml as strict
 from tiny import make_config, random_weights
 
 from ondevice.convert import lint
@@ -75,61 +75,6 @@ def loud(tmp):
     return cfg, w, pkg
 
 
-# -- a fake Core ML ----------------------------------------------------------------------------
-
-
-class FakeCoreML:
-    """Stands in for coremltools' native layer: `compile_model` copies the package to the
-    `.mlmodelc` path, `CompiledMLModel` runs that copy with the reference executor. `fail`
-    picks the step that breaks ("load", "make_state", "predict", "nan")."""
-
-    def __init__(self, monkeypatch, fail: str | None = None):
-        import coremltools as ct
-        import coremltools.models.utils as ct_utils
-
-        self.fail = fail
-        self.compiled: list[tuple[str, str]] = []
-        self.loaded: list[tuple[str, str | None]] = []
-        self.inputs_seen: list[dict[str, tuple[weakref.ref, np.ndarray]]] = []
-        fake = self
-
-        def compile_model(src, dst=None):
-            fake.compiled.append((src, dst))
-            shutil.copytree(src, dst)
-            return dst
-
-        class CompiledMLModel:
-            def __init__(self, path, compute_units=None, function_name=None):
-                fake.loaded.append((path, function_name))
-                if fake.fail == "load":
-                    raise RuntimeError("Error compiling model: error code -14")
-                self._model = ReferenceModel(path, function_name)
-
-            def make_state(self):
-                if fake.fail == "make_state":
-                    raise Exception("Failed to build the model execution plan")  # bare, as ct
-                return self._model.make_state()
-
-            def predict(self, inputs, state=None):
-                if fake.fail == "predict":
-                    raise RuntimeError("prediction failed")
-                # What Core ML may do after returning: read the inputs later. Keep weak
-                # references and the values they held.
-                fake.inputs_seen.append({k: (weakref.ref(v), v.copy()) for k, v in inputs.items()})
-                out = self._model.predict(inputs, state)
-                if fake.fail == "nan":
-                    out = {k: np.full_like(v, np.nan) for k, v in out.items()}
-                return out
-
-        monkeypatch.setattr(platform, "system", lambda: "Darwin")
-        monkeypatch.setattr(platform, "mac_ver", lambda: ("15.4", ("", "", ""), "arm64"))
-        monkeypatch.setitem(
-            sys.modules, "coremltools.libcoremlpython", types.ModuleType("libcoremlpython")
-        )
-        monkeypatch.setattr(ct_utils, "compile_model", compile_model)
-        monkeypatch.setattr(ct.models, "CompiledMLModel", CompiledMLModel)
-
-
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
@@ -151,7 +96,7 @@ def home(tmp_path, monkeypatch) -> Path:
 )
 def test_core_ml_failure_falls_back_to_the_mlx_draft(draft, home, monkeypatch, capsys, fail, step):
     cfg, w, pkg = draft
-    FakeCoreML(monkeypatch, fail=None if fail == "native" else fail)
+    strict.install(monkeypatch, fail=None if fail == "native" else fail)
     if fail == "native":
         monkeypatch.setitem(sys.modules, "coremltools.libcoremlpython", None)  # import fails
     model = mlx_model(cfg, w)
@@ -180,13 +125,16 @@ def test_core_ml_that_works_is_used_compiled_once(draft, home, monkeypatch, caps
     """No fallback when Core ML works; the package is compiled once (and cached), and each
     function is loaded from the compiled model with its function_name."""
     cfg, w, pkg = draft
-    fake = FakeCoreML(monkeypatch)
+    fake = strict.install(monkeypatch)
     engine = make_draft_engine("auto", mlx_model=mlx_model(cfg, w), mlpackage=pkg)
     assert isinstance(engine, CoreMLDraftEngine) and capsys.readouterr().err == ""
     assert len(fake.compiled) == 1
     compiled = fake.loaded[0][0]
     assert Path(compiled).parent == home / "compiled" and compiled.endswith(".mlmodelc")
-    assert sorted(fake.loaded) == [(compiled, "chunk"), (compiled, "decode")]
+    assert sorted(fake.loaded) == [
+        (compiled, "CPU_AND_NE", "chunk"),
+        (compiled, "CPU_AND_NE", "decode"),
+    ]
     assert [p.name for p in (home / "compiled").iterdir()] == [Path(compiled).name]  # no temp
     tokens = [4, 9, 60, 2, 31, 77, 15, 8, 8, 50, 19]
     np.testing.assert_array_equal(engine.feed(tokens), ReferenceDraftEngine(pkg).feed(tokens))
@@ -204,7 +152,7 @@ def test_predict_inputs_outlive_the_call(tmp, home, monkeypatch, kv):
     cfg, w = qwen2(layers=1)
     pkg = tmp / f"lifetime_{kv}.mlpackage"
     convert_draft(cfg, w, pkg, context=CONTEXT, chunk=CHUNK, kv=kv)
-    fake = FakeCoreML(monkeypatch)
+    fake = strict.install(monkeypatch)
     engine = CoreMLDraftEngine(pkg)
     for tokens in ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [15], [16]):
         engine.feed(tokens)

@@ -156,7 +156,7 @@ def test_long_prompt_keeps_drafting_with_the_plain_tokens(gen, method, pipeline)
     s = r.stats
     assert s["prompt_tokens"] > 3 * CONTEXT
     assert s["drafted"] > 0, s
-    if method != "auto":  # auto may choose prompt lookup, which proposes other tokens
+    if method == "chain":  # tree and auto size their proposals by measured costs (profiles)
         assert s["accepted"] > 0, s
         assert s["draft_backend"] == gen.draft_backend
     assert s["draft_window"] == CONTEXT and s["draft_window_moves"] > 0

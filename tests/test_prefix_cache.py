@@ -469,3 +469,75 @@ def test_no_warnings_from_a_plain_load(models):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ondevice.load(models["verifier"]).generate("hi", max_tokens=2)
+
+
+# -- issue 29: saved prompts are checksummed, checked and written cleanly --------------------------
+
+
+def _forge(src: Path, dest: Path, edit) -> Path:  # noqa: ANN001
+    """A copy of the saved prompt `src` changed by `edit(arrays, meta)`, with a valid checksum
+    (anyone can compute one): what the loader must still refuse by its contents."""
+    from ondevice.runtime.prefix_cache import _digest
+
+    arrays, meta = mx.load(str(src), format="safetensors", return_metadata=True)
+    arrays, meta = dict(arrays), dict(meta)
+    edit(arrays, meta)
+    meta["sha256"] = _digest(arrays, meta)
+    mx.save_safetensors(str(dest) + ".safetensors", arrays, metadata=meta)  # MLX adds it
+    Path(str(dest) + ".safetensors").rename(dest)
+    return dest
+
+
+def test_a_damaged_or_forged_saved_prompt_is_refused(models, gen, tmp_path):
+    """A flipped byte changed the answers silently; forged files gave tracebacks."""
+    doc = ids(20, seed=14)
+    path = tmp_path / "doc.kv"
+    gen.save_prompt_cache(path, doc)
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x01  # in the last array's values
+    (tmp_path / "flip.kv").write_bytes(bytes(data))
+    load = lambda p: ondevice.load(models["verifier"], prompt_cache=p)  # noqa: E731
+    with pytest.raises(PromptCacheError, match="damaged"):
+        load(tmp_path / "flip.kv")
+
+    def wrong_heads(a, m):  # noqa: ANN001, ANN202
+        a["verifier.0.keys"] = a["verifier.0.keys"][:, :1]
+
+    cases = [
+        (lambda a, m: m.update(tokens="[1, 2"), "token list"),
+        (lambda a, m: m.update(tokens="[-1, 5]"), "token list"),
+        (lambda a, m: m.update(tokens=json.dumps([10**9] * 20)), "token list"),
+        (lambda a, m: m.update(tokens="[]"), "token list"),
+        (wrong_heads, "does not match the loaded verifier"),
+        (lambda a, m: m.update(format_version="1"), "format 1"),
+    ]
+    for i, (edit, says) in enumerate(cases):
+        with pytest.raises(PromptCacheError, match=says):
+            load(_forge(path, tmp_path / f"forged{i}.kv", edit))
+    assert load(path).generate(doc + [5], max_tokens=2).stats["cached_tokens"] == 20
+
+
+def test_a_saved_prompt_that_cannot_be_written_is_a_clean_error(gen, tmp_path, monkeypatch):
+    doc = ids(20, seed=15)
+    (tmp_path / "file").write_text("x")
+    for where in (tmp_path / "missing" / "doc.kv", tmp_path / "file" / "doc.kv"):
+        with pytest.raises(PromptCacheError, match="cannot write the prompt cache"):
+            gen.save_prompt_cache(where, doc)
+    # A full disk: MLX reports nothing and leaves a short file; the read-back finds it.
+    from ondevice.runtime import prefix_cache
+
+    real = mx.save_safetensors
+
+    def short_write(file, arrays, metadata=None):  # noqa: ANN001, ANN202
+        real(file, arrays, metadata=metadata)
+        with open(file, "r+b") as f:
+            f.truncate(Path(file).stat().st_size // 2)
+
+    monkeypatch.setattr(prefix_cache.mx, "save_safetensors", short_write)
+    with pytest.raises(PromptCacheError, match="cannot write the prompt cache"):
+        gen.save_prompt_cache(tmp_path / "doc.kv", doc)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing half-written
+    monkeypatch.undo()
+    code = cli.main(["cache-prompt", "--model", str(gen._pair.verifier.path), "--prompt", "hi",
+                     "-o", str(tmp_path / "file" / "doc.kv")])  # fmt: skip
+    assert code != 0

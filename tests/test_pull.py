@@ -686,9 +686,10 @@ def test_damaged_cached_parts_model_is_refused_removed_and_named(
     with pytest.raises(PullError) as info:
         pull(PARTS_NAME)  # offline: says the cache was damaged, not "not in the cache"
     msg = str(info.value)
-    assert "damaged" in msg and str(good) in msg and "has been removed" in msg
+    assert "damaged" in msg and str(good) in msg and "kept aside, unused" in msg
     assert "not in the cache" not in msg
-    assert cache_entries(parts["target"].parent.parent.parent) == []
+    entries = cache_entries(parts["target"].parent.parent.parent)
+    assert len(entries) == 1 and entries[0].startswith(f".{PARTS_NAME}.damaged-")
     with pytest.raises(ModelNotFoundError, match="not downloaded yet"):
         resolve(PARTS_NAME)
 
@@ -706,12 +707,19 @@ def test_damaged_cache_offline_says_so_and_is_not_kept(
     capsys.readouterr()
     assert main(["pull", NAME]) == 1
     err = capsys.readouterr().err
-    assert f"{path} has sha256" in err and "the cached copy is damaged; removing it" in err
+    assert f"{path} has sha256" in err and "the cached copy is damaged; setting it aside" in err
     (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert "cached copy was damaged" in line and "not in the cache" not in line
     assert not path.exists()
     with pytest.raises(ModelNotFoundError):
         load_model(NAME)
+    # issue 29: the damaged copy is kept (hidden, unused) until a verified one replaces it,
+    # however many fetches fail; then it goes
+    assert main(["pull", NAME]) == 1
+    (aside,) = [p for p in path.parent.parent.iterdir() if ".damaged-" in p.name]
+    assert (aside / "model" / path.name).read_bytes() == bytes(data)
+    assert pull(NAME, source=model_file) == path and sha256(path) == sha256(model_file)
+    assert not aside.exists()
 
 
 def test_not_a_gguf_is_refused(home: Path, tmp_path: Path, capsys) -> None:

@@ -269,6 +269,7 @@ def test_api_key_from_environment_or_file(tmp_path, monkeypatch, capsys):
     assert api_key(_serve_args()) == "from-env"
     keyfile = tmp_path / "key"
     keyfile.write_text("from-file\n")
+    keyfile.chmod(0o600)  # private: no warning (issue 29)
     assert api_key(_serve_args("--api-key-file", str(keyfile))) == "from-file"
     assert capsys.readouterr().err == ""
     assert api_key(_serve_args("--api-key", "on-argv")) == "on-argv"

@@ -131,3 +131,80 @@ def test_no_torch_notice(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "PyTorch" not in r.stderr + r.stdout
+
+
+# -- issue 29: no code from a model folder, bounded renderings -------------------------------------
+
+
+def test_no_code_from_a_model_folder_runs_whatever_the_terminal_answers(tmp_path):
+    """A tokenizer folder with `auto_map` naming its own Python class: transformers asked on
+    the terminal whether to run it, and "y" ran it. Now it is refused with a clear error."""
+    folder = tmp_path / "tok"
+    tiny.write_tokenizer(folder, 100)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.update(
+        tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": ["evil.EvilTokenizer", None]}
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    marker = tmp_path / "code-ran"
+    (folder / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    code = (
+        "import sys\nfrom ondevice.models.tokenizer import Tokenizer\n"
+        "try:\n    Tokenizer.from_dir(sys.argv[1])\n"
+        "except Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    for answer in ("y\n", "yes\n", "\n"):
+        run = subprocess.run(
+            [sys.executable, "-c", code, str(folder)],
+            input=answer, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert not marker.exists(), run.stdout + run.stderr
+        assert "ModelFormatError" in run.stdout and "custom Python code" in run.stdout, run.stdout
+
+
+def test_template_arguments_cannot_replace_the_template_or_its_own_arguments(tok):
+    from ondevice.errors import OndeviceError
+
+    msgs = [{"role": "user", "content": "hi"}]
+    for name in ("tokenize", "messages", "documents", "bos_token", "chat_template"):
+        with pytest.raises(OndeviceError, match=f"'{name}' is reserved"):
+            tok.apply_chat_template(msgs, **{name: "x"})
+
+
+def test_a_rendering_stops_at_its_limit_and_when_abandoned(tok):
+    import threading
+
+    from ondevice.models.tokenizer import RenderLimitError, render_limit
+
+    msgs = [{"role": "user", "content": "hi"}]
+    template = "{% for i in range(100000) %}{{ messages[0]['content'] }}{% endfor %}"
+    assert len(tok.apply_chat_template(msgs, template=template)) == 200000  # no limit outside
+    with render_limit(1000), pytest.raises(RenderLimitError, match="more than 1000 characters"):
+        tok.apply_chat_template(msgs, template=template)
+    gone = threading.Event()
+    gone.set()
+    with render_limit(10**9, gone), pytest.raises(RenderLimitError, match="abandoned"):
+        tok.apply_chat_template(msgs, template=template)
+    assert tok.apply_chat_template(msgs, template=template) == "hi" * 100000
+
+
+def test_reserved_names_cover_transformers_own_arguments():
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+    from transformers.utils import chat_template_utils
+
+    from ondevice.models.tokenizer import RESERVED_TEMPLATE_ARGS
+
+    for fn in (
+        PreTrainedTokenizerBase.apply_chat_template,
+        chat_template_utils.render_jinja_template,
+    ):
+        params = set(inspect.signature(fn).parameters) - {"self", "kwargs"}
+        assert params <= {*RESERVED_TEMPLATE_ARGS, "conversations"}, params - set(
+            RESERVED_TEMPLATE_ARGS
+        )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ondevice.apps.options import add_model_arguments
+    from ondevice.apps.options import add_model_arguments, add_no_chat_template_argument
 
     p = sub.add_parser(
         "cache-prompt",
@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     system = p.add_mutually_exclusive_group()
     system.add_argument("--system", help="a system prompt")
     system.add_argument("--system-file", metavar="PATH", help="read the system prompt from a file")
-    p.add_argument("--no-chat-template", action="store_true", help="save the prompt text as it is")
+    add_no_chat_template_argument(p, "save the prompt text as it is")
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="file to write")
     p.set_defaults(func=run)
 

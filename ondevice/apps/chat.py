@@ -7,6 +7,7 @@ import contextlib
 import queue
 import signal
 import sys
+from collections.abc import Callable
 
 from ondevice.apps.chat_controller import ChatController, ChatState, Settings
 from ondevice.apps.formatting import format_limits, format_prompt_cache, format_stats
@@ -17,7 +18,9 @@ HELP = """commands:
   /system TEXT   set the system prompt (/system alone shows it)
   /help          this list
   /quit          leave (or Ctrl-D)
-Ctrl-C stops an answer without leaving the chat."""
+A message of several lines: end a line with \\ to go on with the next, or put it between
+lines of \"\"\" (as in ollama). Ctrl-C stops an answer without leaving the chat."""
+BLOCK = '"""'
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     options.add_model_arguments(p)
-    p.add_argument("--system", help="system prompt")
+    options.add_system_prompt_argument(p)
     options.add_sampling_arguments(p, temp=0.7, max_tokens=512)
     options.add_chat_template_arguments(p)
     p.add_argument("--history", metavar="PATH", help="keep the conversation in this JSON file")
@@ -48,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
                                           "num_draft_tokens", "speculative")}  # fmt: skip
     sampling["chat_template_kwargs"] = args.chat_template_args
     settings = Settings(**core, extra=sampling)
-    ctrl = ChatController(history_path=args.history, system_prompt=args.system, settings=settings)
+    system = options.read_system_prompt(args.system_prompt)
+    ctrl = ChatController(history_path=args.history, system_prompt=system, settings=settings)
     for event in ctrl.drain():
         if event.kind == "error":
             print(f"warning: {event.text}", file=sys.stderr)
@@ -65,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     ctrl.wait()
     if ctrl.model_name is None:
         raise OndeviceError(ctrl.error or "the model could not be loaded.")
-    options.apply_chat_template_option(ctrl._gen, args.chat_template)
+    options.apply_chat_template_option(
+        ctrl._gen, args.chat_template, args.use_default_chat_template
+    )
     ctrl.drain()
     # Ctrl-C is how an answer is stopped: make it raise KeyboardInterrupt even when the chat was
     # started from a context that ignores SIGINT (a background job of a script inherits SIG_IGN,
@@ -74,12 +80,34 @@ def run(args: argparse.Namespace) -> int:
     return TerminalChat(ctrl).loop()
 
 
+def read_message(ask: Callable[[str], str] = input) -> str:
+    """One message from the user: a line; or, when lines end in a backslash, those lines and
+    the next; or every line between a line that starts with \"\"\" and one that ends with it.
+    Raises EOFError at the end of input, KeyboardInterrupt on Ctrl-C (the message is dropped)."""
+    line = ask(">>> ")
+    if line.lstrip().startswith(BLOCK):
+        first = line.lstrip()[len(BLOCK) :]
+        if first.rstrip().endswith(BLOCK):  # \"\"\"one line\"\"\"
+            return first.rstrip()[: -len(BLOCK)]
+        lines = [first] if first.strip() else []
+        while not (line := ask("... ")).rstrip().endswith(BLOCK):
+            lines.append(line)
+        lines.append(line.rstrip()[: -len(BLOCK)])
+        return "\n".join(lines).strip("\n")
+    lines = []
+    while line.endswith("\\"):
+        lines.append(line[:-1])
+        line = ask("... ")
+    return "\n".join([*lines, line])
+
+
 class TerminalChat:
     """The read-answer loop over a ChatController."""
 
-    def __init__(self, ctrl: ChatController, out=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, ctrl: ChatController, out=None, ask=input) -> None:  # type: ignore[no-untyped-def]
         self.ctrl = ctrl
         self.out = out or sys.stdout
+        self.ask = ask
 
     def say(self, text: str = "", end: str = "\n") -> None:
         self.out.write(text + end)
@@ -89,9 +117,10 @@ class TerminalChat:
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401  (line editing and history for input())
         self.say(f"chatting with {self.ctrl.model_name}. /help for commands, Ctrl-D to leave.")
+        self.say_history()
         while True:
             try:
-                line = input(">>> ")
+                line = read_message(self.ask)
             except EOFError:
                 self.say()
                 return 0
@@ -108,6 +137,22 @@ class TerminalChat:
                 self.stream_answer()
             else:
                 self.show_errors()
+
+    def say_history(self) -> None:
+        """Where the conversation is kept, and what of it was resumed from there."""
+        ctrl, path = self.ctrl, self.ctrl.history_path
+        if path is None:
+            return
+        turns = sum(m["role"] == "user" for m in ctrl.messages)
+        if not turns:
+            self.say(f"(the conversation is kept in {path})")
+            return
+        was = ctrl.saved_model
+        other = f", held with {was}" if was and was != ctrl.model_name else ""
+        self.say(
+            f"(resumed {turns} earlier turn{'s' if turns != 1 else ''} from {path}{other}; "
+            "/reset starts afresh)"
+        )
 
     def command(self, line: str) -> str | None:
         name, _, rest = line.partition(" ")

@@ -269,6 +269,17 @@ class ChatController:
         if wait and self._state is ChatState.STOPPING:
             self.wait()
 
+    def close(self) -> None:
+        """Before the app exits: stop the answer (kept in the history), wait for a load to end,
+        save, and end the model's generation thread (MLX aborts a process that exits while a
+        thread it knows is alive)."""
+        self.stop(wait=True)
+        self.wait()
+        self.save()
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            gen.close()
+
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays)."""
         self.stop(wait=True)

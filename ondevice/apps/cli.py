@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "serve",
     "chat",
     "pull",
+    "cached",
     "doctor",
     "bench",
     "distill",
@@ -48,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage, not the list of commands
+        command = _subparsers(parser).get(getattr(args, "command", None) or "", parser)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -57,9 +61,24 @@ def main(argv: list[str] | None = None) -> int:
     except OndeviceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "mlx":
+            raise
+        from ondevice.runtime.mlx_check import mlx_missing
+
+        print(f"error: {mlx_missing(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Command name -> its parser."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
 
 
 if __name__ == "__main__":

@@ -29,10 +29,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Report platform, MLX, Core ML, the BLAS in use and the ondevice cache.",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    mac = p.add_argument_group(
+        "--mac-check",
+        "convert the draft with each compression, probe Core ML compile and placement, time a "
+        "draft step on the Neural Engine and on the GPU and verifier passes; write one JSON",
+    )
+    mac.add_argument("--mac-check", action="store_true", help="run the Mac check (minutes)")
+    mac.add_argument("--model", help="verifier (default: the default pair's)")
+    mac.add_argument("--draft", "--draft-model", help="draft model (default: the default pair's)")
+    mac.add_argument("--compressions", help="comma-separated (default: all)")
+    mac.add_argument("--out", default="ondevice-mac-check.json", help="default %(default)s")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "mac_check", False):
+        from ondevice.apps import mac_check
+
+        return mac_check.main(args)
     report = collect()
     if args.json:
         print(json.dumps(report, indent=2))
@@ -59,6 +73,7 @@ def collect() -> dict[str, Any]:
         "coreml": _coreml(warnings),
         "blas": _blas(warnings),
         "cache": _cache(),
+        "draft_drift": _draft_drift(warnings),
     }
     report["warnings"] = warnings
     return report
@@ -77,7 +92,9 @@ def _mlx(warnings: list[str]) -> dict[str, Any]:
     try:
         import mlx.core as mx
     except ImportError as e:
-        warnings.append(f"MLX cannot be imported ({e}); install it: pip install 'mlx[cpu]' (Linux)")
+        from ondevice.runtime.mlx_check import mlx_missing
+
+        warnings.append(mlx_missing(e))
         return {"available": False, "error": str(e)}
     return {
         "available": True,
@@ -94,7 +111,7 @@ PREDICTION_MODULE = "libcoremlpython"
 
 
 def _coreml(warnings: list[str]) -> dict[str, Any]:
-    from ondevice.runtime.engines import coreml_status
+    from ondevice.runtime.coreml_engines import coreml_status
 
     reason = coreml_status()
     native = {name: _native_module(name) for name in (*CONVERSION_MODULES, PREDICTION_MODULE)}
@@ -142,7 +159,7 @@ def _native_module(name: str) -> str:
 def _last_fallback() -> dict[str, Any] | None:
     """The last time a draft fell back from Core ML, and why (written by the draft engine)."""
     from ondevice.models.hub import cache_dir
-    from ondevice.runtime.engines import FALLBACK_RECORD
+    from ondevice.runtime.coreml_engines import FALLBACK_RECORD
 
     try:
         return json.loads((cache_dir() / FALLBACK_RECORD).read_text())
@@ -265,6 +282,17 @@ def blas_fix() -> str:
         f"install OpenBLAS (sudo apt-get install {blas.OPENBLAS_PACKAGE}); ondevice loads it "
         "by itself"
     )
+
+
+def _draft_drift(warnings: list[str]) -> list[dict[str, Any]]:
+    """Drift alarms that generations (serve, the API) left up: a draft the verifier no longer
+    agrees with as it did when the bundle was made (runtime/drift.py)."""
+    from ondevice.models.hub import cache_dir
+    from ondevice.runtime.drift import describe_alarm, recorded_alarms
+
+    alarms = recorded_alarms(cache_dir() / "drift")
+    warnings += [line for a in alarms for line in describe_alarm(a)]
+    return alarms
 
 
 def _cache() -> dict[str, Any]:

@@ -8,6 +8,7 @@ import sys
 
 from ondevice.apps import options
 from ondevice.apps.formatting import format_stats
+from ondevice.errors import OndeviceError
 
 HELP = "generate text for one prompt (speculative when a draft is given)"
 DESCRIPTION = (
@@ -26,22 +27,35 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="prompt text, sent as a user message through the chat template ('-': read stdin)",
     )
     pr.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    options.add_system_prompt_argument(p)
     g = p.add_argument_group("decoding")
     options.add_sampling_arguments(g)
     options.add_method_arguments(g)
-    g.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    options.add_no_chat_template_argument(g, "send the prompt as raw text")
     options.add_chat_template_arguments(g)
     p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
+    p.add_argument(
+        "--verbose", type=options.str2bool, nargs="?", const=True, default=True,
+        metavar="BOOL", help="print statistics after the answer ('--verbose False': the answer "
+        "only, as mlx_lm.generate; default: True)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    system = options.read_system_prompt(args.system_prompt)
     if args.prompt is not None:
         prompt = options.read_prompt(args.prompt)
+        if system and not args.no_chat_template:
+            prompt = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+        elif system:
+            raise OndeviceError("--system-prompt needs the chat template; drop --no-chat-template.")
+    elif system:
+        raise OndeviceError("--system-prompt goes with --prompt, not --prompt-ids.")
     else:
         prompt = options.integers(args.prompt_ids, "--prompt-ids")
     gen = options.load_generator(args)
-    options.apply_chat_template_option(gen, args.chat_template)
+    options.apply_chat_template_option(gen, args.chat_template, args.use_default_chat_template)
     kwargs = dict(
         **options.sampling_options(args),
         chat_template=not args.no_chat_template,
@@ -69,5 +83,6 @@ def run(args: argparse.Namespace) -> int:
         if chunk.stats:
             stats = chunk.stats
     sys.stdout.write("\n")
-    print(format_stats(stats), file=sys.stderr)
+    if args.verbose:
+        print(format_stats(stats), file=sys.stderr)
     return 0

@@ -25,6 +25,7 @@ try:
     import rumps
     from AppKit import (
         NSApplication,
+        NSApplicationActivationPolicyAccessory,
         NSBackingStoreBuffered,
         NSFont,
         NSMakeRect,
@@ -32,6 +33,8 @@ try:
         NSPanel,
         NSPasteboard,
         NSPasteboardTypeString,
+        NSRunLoop,
+        NSRunLoopCommonModes,
         NSScrollView,
         NSTextView,
         NSViewHeightSizable,
@@ -61,6 +64,9 @@ TITLES = {  # the status item's text for each controller state
     ChatState.STOPPING: "◍",
 }
 POLL_SECONDS = 0.1
+# shown before a load, which may compile the draft for the Neural Engine: coremltools holds the
+# GIL through compile and load, so nothing on screen can change until it finishes
+LOADING_TEXT = "Loading {name}… (compiling for the Neural Engine the first time only)"
 
 
 def history_path() -> Path:
@@ -109,8 +115,7 @@ class AnswerPanel:
         self._shown = ""
 
     def show(self) -> None:
-        self.panel.makeKeyAndOrderFront_(None)
-        NSApplication.sharedApplication().activateIgnoringOtherApps_(True)
+        bring_to_front(self.panel)
 
     def set_text(self, text: str) -> None:
         if text != self._shown:  # redrawing an unchanged text view makes it flicker
@@ -120,6 +125,22 @@ class AnswerPanel:
 
     def set_title(self, title: str) -> None:
         self.panel.setTitle_(title)
+
+
+def bring_to_front(window) -> None:  # type: ignore[no-untyped-def]
+    """Make `window` the key window of the active app: an accessory app is not active when its
+    menu is used, so a window it opens would stay behind others and get no keystrokes."""
+    NSApplication.sharedApplication().activateIgnoringOtherApps_(True)
+    window.makeKeyAndOrderFront_(None)
+
+
+def stop_event_loop() -> None:
+    """End `rumps.App.run` (PyObjC's `AppHelper.runEventLoop`) so that `main` returns and Python
+    exits normally: `rumps.quit_application` terminates through NSApplication, which calls C
+    `exit()` with the model's threads alive and never runs Python's atexit hooks."""
+    from PyObjCTools import AppHelper
+
+    AppHelper.stopEventLoop()
 
 
 class MenuBarApp(rumps.App):
@@ -133,6 +154,7 @@ class MenuBarApp(rumps.App):
         self.copy_item = rumps.MenuItem("Copy Answer", callback=self.copy_answer, key="c")
         self.models_item = rumps.MenuItem("Model")
         self.speed_item = rumps.MenuItem("No answer yet")
+        self.status_item = rumps.MenuItem("")  # what a long step is doing
         self.limits_item = rumps.MenuItem(format_limits(None))
         self.error_item = rumps.MenuItem("")
         self.menu = [
@@ -145,6 +167,7 @@ class MenuBarApp(rumps.App):
             rumps.MenuItem("System Prompt…", callback=self.edit_system_prompt),
             rumps.MenuItem("New Chat", callback=self.new_chat),
             None,
+            self.status_item,
             self.speed_item,
             self.limits_item,
             self.error_item,
@@ -152,13 +175,16 @@ class MenuBarApp(rumps.App):
             rumps.MenuItem("Quit", callback=self.quit, key="q"),
         ]
         self._set_hidden(self.error_item, True)
+        self._set_hidden(self.status_item, True)
         self._state: ChatState | None = None
         self.refresh_models()
         self.timer = rumps.Timer(self.poll, POLL_SECONDS)
         self.timer.start()
+        # also while a menu is open (event tracking mode), not only in the default mode
+        NSRunLoop.currentRunLoop().addTimer_forMode_(self.timer._nstimer, NSRunLoopCommonModes)
         start = self.initial_model(model)
         if start is not None:
-            ctrl.load(start)
+            self.load(start)
 
     # -- models ----------------------------------------------------------------------------------
 
@@ -189,9 +215,16 @@ class MenuBarApp(rumps.App):
 
     def _loader_for(self, bundle: InstalledModel):  # type: ignore[no-untyped-def]
         def load(_sender) -> None:  # type: ignore[no-untyped-def]
-            self.ctrl.load(bundle.path)
+            self.load(bundle.path)
 
         return load
+
+    def load(self, model: str | Path) -> None:
+        """Say what is coming before the load starts: once it compiles, the screen is frozen."""
+        self.status_item.title = LOADING_TEXT.format(name=Path(model).name)
+        self._set_hidden(self.status_item, False)
+        self.title = TITLES[ChatState.LOADING]
+        self.ctrl.load(model)
 
     # -- actions -----------------------------------------------------------------------------------
 
@@ -207,7 +240,7 @@ class MenuBarApp(rumps.App):
             cancel="Cancel",
             dimensions=(420, 120),
         )
-        response = window.run()
+        response = self._run_window(window)
         if response.clicked and response.text.strip():
             if self.ctrl.send(response.text):
                 self.show_answer(None)
@@ -235,7 +268,7 @@ class MenuBarApp(rumps.App):
             cancel="Cancel",
             dimensions=(420, 120),
         )
-        response = window.run()
+        response = self._run_window(window)
         if response.clicked:
             self.ctrl.set_system_prompt(response.text)
 
@@ -243,9 +276,16 @@ class MenuBarApp(rumps.App):
         self.ctrl.reset()
         self.update_panel()
 
+    @staticmethod
+    def _run_window(window: rumps.Window):  # type: ignore[no-untyped-def]
+        bring_to_front(window._alert.window())
+        return window.run()
+
     def quit(self, _sender) -> None:  # type: ignore[no-untyped-def]
-        self.ctrl.stop(wait=True)  # the partial answer is saved with the history
-        rumps.quit_application()
+        self.title = "…"
+        self.timer.stop()
+        self.ctrl.close()  # stops the answer (saved with the history) and the model's threads
+        stop_event_loop()
 
     # -- main-thread updates ---------------------------------------------------------------------
 
@@ -259,6 +299,8 @@ class MenuBarApp(rumps.App):
             elif event.kind == "loaded":
                 self.refresh_models()
                 self._set_hidden(self.error_item, True)
+            elif event.kind == "state" and event.state is ChatState.IDLE:
+                self._set_hidden(self.status_item, True)
             elif event.kind == "state" and event.state is ChatState.GENERATING:
                 self._set_hidden(self.error_item, True)
         state = self.ctrl.state
@@ -296,9 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ondevice-menubar", description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", help="bundle or model to load at start")
     args = parser.parse_args(argv)
+    # an accessory app: no Dock icon, yet it may activate and own key windows (an unbundled
+    # Python otherwise starts with a policy that lets its windows open behind others)
+    NSApplication.sharedApplication().setActivationPolicy_(NSApplicationActivationPolicyAccessory)
     ctrl = ChatController(history_path=history_path())
     app = MenuBarApp(ctrl, model=args.model)
-    app.run()
+    app.run()  # returns after Quit (stop_event_loop)
+    ctrl.close()
     return 0
 
 

@@ -9,9 +9,12 @@ the table). Fields no OpenAI client sends are ignored, as OpenAI does.
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ondevice.models.tokenizer import RESERVED_TEMPLATE_ARGS
 
 __all__ = [
     "APIError",
@@ -173,15 +176,21 @@ class _Request(BaseModel):
     num_draft_tokens: int | None = Field(default=None, ge=1, le=64)
     speculative: bool = True
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            # ASCII only: str.isdigit() also takes '²' or '①', which int() refuses
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):
+                raise ValueError(f"keys are token ids (decimal digits), got {key[:40]!r}")
+        return value
+
     @model_validator(mode="after")
     def _supported(self) -> _Request:
         if self.n != 1:
             raise ValueError("only n=1 is supported (one completion per request)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        for key in self.logit_bias or {}:
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
         extra = self.model_extra or {}
         for name, why in _REFUSED.items():
             if extra.get(name) not in (None, False, [], {}) and extra.get(name) != ["text"]:
@@ -284,6 +293,11 @@ class ChatCompletionRequest(_Request):
     # {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(value)
+
     @model_validator(mode="after")
     def _chat_supported(self) -> ChatCompletionRequest:
         if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
@@ -353,6 +367,46 @@ class CompletionRequest(_Request):
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             return p[0]  # type: ignore[return-value]
         return p  # type: ignore[return-value]
+
+
+# What a request may pass to the chat template: a few named switches (enable_thinking=false),
+# each a short scalar; a template of its own or a structure the template loops over is refused.
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_STRING = 1024
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """ValueError unless `value` holds at most MAX_TEMPLATE_KWARGS scalars (strings of at most
+    MAX_TEMPLATE_STRING characters, 64-bit integers, finite floats, booleans, null) under
+    identifiers that the template function does not reserve (`RESERVED_TEMPLATE_ARGS`)."""
+    if value is None:
+        return None
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} chat template arguments are allowed")
+    for key, v in value.items():
+        if not key.isidentifier() or not key.isascii() or len(key) > 64 or key.startswith("_"):
+            raise ValueError(f"{key[:40]!r} is not a template argument name (an identifier)")
+        if key in RESERVED_TEMPLATE_ARGS:
+            raise ValueError(
+                f"{key!r} is reserved: it is an argument of the chat template function itself "
+                "or a variable the server sets"
+            )
+        if isinstance(v, str):
+            ok = len(v) <= MAX_TEMPLATE_STRING
+        elif isinstance(v, bool) or v is None:
+            ok = True
+        elif isinstance(v, int):
+            ok = -(2**63) <= v < 2**63
+        elif isinstance(v, float):
+            ok = math.isfinite(v)
+        else:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"the value of {key!r} must be a string of at most {MAX_TEMPLATE_STRING} "
+                "characters, a 64-bit integer, a finite number, a boolean or null"
+            )
+    return value
 
 
 _Request.model_rebuild()

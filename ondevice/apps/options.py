@@ -128,7 +128,7 @@ def add_sampling_arguments(p: Any, *, temp: float = 0.0, max_tokens: int = 256) 
     """--max-tokens, --temp, --top-p, --top-k, --min-p, the penalties, --seed, --stop,
     --num-draft-tokens and --no-speculative: `Generator.stream`'s sampling arguments."""
     p.add_argument(
-        "--max-tokens", type=int, default=max_tokens, metavar="N",
+        "--max-tokens", "-m", type=int, default=max_tokens, metavar="N",
         help=f"longest answer in tokens (default: {max_tokens})",
     )  # fmt: skip
     p.add_argument(
@@ -223,23 +223,71 @@ def add_chat_template_arguments(p: Any) -> None:
         help="a Jinja chat template (a file, or the template itself) instead of the model's",
     )  # fmt: skip
     p.add_argument(
-        "--chat-template-args", metavar="JSON", type=json_object,
+        "--chat-template-args", "--chat-template-config", metavar="JSON", type=json_object,
+        dest="chat_template_args",
         help='keyword arguments for the chat template, e.g. \'{"enable_thinking": false}\'',
+    )  # fmt: skip
+    p.add_argument(
+        "--use-default-chat-template", action="store_true",
+        help="a model without a chat template gets the default (ChatML) one (mlx-lm's flag)",
     )  # fmt: skip
 
 
-def apply_chat_template_option(gen: Generator, template: str | None) -> None:
-    """Replace the model's chat template by --chat-template's (a file or the text itself)."""
-    if not template:
-        return
+def add_no_chat_template_argument(p: Any, help: str) -> None:
+    """--no-chat-template (alias: mlx-lm's --ignore-chat-template)."""
+    p.add_argument(
+        "--no-chat-template", "--ignore-chat-template", dest="no_chat_template",
+        action="store_true", help=help,
+    )  # fmt: skip
+
+
+def add_system_prompt_argument(p: Any) -> None:
+    """--system-prompt (mlx-lm's name; alias --system): a text, or a file holding it."""
+    p.add_argument(
+        "--system-prompt", "--system", dest="system_prompt", metavar="TEXT_OR_FILE",
+        help="system prompt, or the path of a file holding it",
+    )  # fmt: skip
+
+
+def read_system_prompt(value: str | None) -> str | None:
+    """--system-prompt's text: the file's content when it names a file (as mlx_lm.chat)."""
+    return text_or_file(value, "--system-prompt").strip() if value else value
+
+
+def text_or_file(value: str, flag: str) -> str:
+    """An option that takes a text or the path of a file holding it: the file's content when
+    `value` names a file, else `value` itself."""
     from pathlib import Path
 
-    path = Path(template)
+    path = Path(value).expanduser()
     try:
-        is_file = len(template) < 4096 and path.is_file()
+        is_file = len(value) < 4096 and path.is_file()
     except OSError:
         is_file = False
-    gen.tokenizer.chat_template = path.read_text() if is_file else template
+    if not is_file:
+        return value
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise OndeviceError(f"{flag} {path}: cannot read the file ({e}).") from None
+
+
+def str2bool(text: str) -> bool:
+    """mlx-lm's boolean option values: anything but false/f (any case) is true."""
+    return text.lower() not in ("false", "f", "no", "0")
+
+
+def apply_chat_template_option(
+    gen: Generator, template: str | None, use_default: bool = False
+) -> None:
+    """Replace the model's chat template by --chat-template's (a file or the text itself);
+    with --use-default-chat-template, give a model that has none the default (ChatML) one."""
+    if template:
+        gen.tokenizer.chat_template = text_or_file(template, "--chat-template")
+    elif use_default and not gen.tokenizer.chat_template:
+        from ondevice.models.tokenizer import DEFAULT_CHAT_TEMPLATE
+
+        gen.tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
 
 
 def json_object(text: str) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -104,7 +106,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_chat_template_arguments(p)
     add_request_default_arguments(p)
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info"))
+    p.add_argument(
+        "--log-level", default="info", type=str.lower, metavar="LEVEL",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="critical, error, warning, info or debug, any case (mlx_lm.server's INFO works; "
+        "default: info)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -120,6 +127,12 @@ def api_key(args: argparse.Namespace) -> str | None:
             raise OndeviceError(f"--api-key-file {path}: cannot read it ({e}).") from None
         if not key:
             raise OndeviceError(f"--api-key-file {path}: the file is empty; put the key in it.")
+        if os.name == "posix" and path.stat().st_mode & 0o077:
+            print(
+                f"warning: --api-key-file {path} is readable by other users of this machine; "
+                f"make it private with `chmod 600 {path}`.",
+                file=sys.stderr,
+            )
         return key
     if args.api_key is not None:
         print(
@@ -131,6 +144,29 @@ def api_key(args: argparse.Namespace) -> str | None:
             raise OndeviceError("--api-key is empty.")
         return args.api_key.strip()
     return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for uvicorn, made before the model loads (minutes), so a busy
+    port or an address this machine does not have is reported at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OndeviceError(f"--host {host}: not an address of this machine ({e}).") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OndeviceError(
+                f"port {port} on {host} is in use (another server, or `ondevice serve` already "
+                "running?); choose another with --port."
+            ) from None
+        raise OndeviceError(f"cannot listen on {host}:{port} ({e.strerror or e}).") from None
+    return sock
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,9 +187,10 @@ def run(args: argparse.Namespace) -> int:
         hosts: tuple[str, ...] | None = (*LOOPBACK_HOSTS, *args.allow_host)
     else:  # reached by names we cannot know; --allow-host turns the check on
         hosts = (args.host, *LOOPBACK_HOSTS, *args.allow_host) if args.allow_host else None
+    sock = listen_socket(args.host, args.port)  # a busy port fails now, not after the load
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     gen = load_generator(args)
-    apply_chat_template_option(gen, args.chat_template)
+    apply_chat_template_option(gen, args.chat_template, args.use_default_chat_template)
     warm_up(gen)
     server = OpenAIServer(
         gen,
@@ -175,14 +212,14 @@ def run(args: argparse.Namespace) -> int:
         )
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(
-        f"serving '{server.model_id}' at http://{host}:{args.port}/v1 "
+        f"serving '{server.model_id}' at http://{host}:{sock.getsockname()[1]}/v1 "
         f"(draft: {gen.draft_backend or 'none'}); Ctrl-C stops",
         file=sys.stderr,
         flush=True,
     )
     config = server.uvicorn_config(args.host, args.port, log_level=args.log_level)
     try:
-        uvicorn.Server(config).run()
+        uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     return 0

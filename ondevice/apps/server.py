@@ -8,8 +8,12 @@ has really stopped.
 
 Every request is screened before it reaches a handler (see docs/reliability.md): a Host outside
 the allow-list (DNS rebinding) gets 421, a foreign Origin (a web page driving the local server)
-403, a POST that is not JSON 415, a body that does not arrive in time 408, and a prompt that
-cannot fit the context is refused after tokenizing at most a bounded prefix of it. Every error,
+403, a POST that is not JSON 415, a body that does not arrive in time 408, a request head over
+16 KiB 431, and a prompt that cannot fit the context is refused after tokenizing at most a
+bounded prefix of it. Bodies are buffered only while the model's line has room (else 429) and
+all bodies being read stay within `max_buffered_bytes` (else 503); the chat template gets only
+short scalar arguments from a request, and its rendering is bounded by what the client sent
+and abandoned when the client leaves. Every error,
 whichever handler raised it, is mapped once (`server_http.api_error`) to OpenAI's error shape, so a client
 mistake stays a 4xx.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -42,6 +47,7 @@ from ondevice.apps.openai_schema import (
 from ondevice.apps.server_http import (
     DEFAULT_READ_TIMEOUT,
     LOOPBACK_HOSTS,
+    MAX_HEAD_BYTES,
     Screen,
     TimedH11Protocol,
     api_error,
@@ -53,12 +59,20 @@ from ondevice.apps.server_queue import ModelSlot
 from ondevice.apps.server_responses import ClosingStream, Shape, collect, until_disconnect
 from ondevice.apps.tool_calls import tool_call_grammar
 from ondevice.errors import OndeviceError
+from ondevice.models.tokenizer import render_limit
+from ondevice.runtime.drift import check_domain
 
 if TYPE_CHECKING:
     from ondevice.api import Generator
 
+# Names the kind of request ("code", "chat", ...) whose draft acceptance a generation counts
+# towards; /health and /metrics compare each kind with what the bundle recorded.
+DOMAIN_HEADER = "X-Ondevice-Domain"
 # A long prompt is a few hundred KB of JSON; a body far beyond that is a mistake or an attack.
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
+# Request bodies held in memory at once, over all connections: beyond it a request gets 503
+# before its body is read (40 clients sending 4 MiB each would otherwise all be buffered).
+DEFAULT_MAX_BUFFERED = 4 * DEFAULT_MAX_BODY
 
 
 class OpenAIServer:
@@ -72,6 +86,7 @@ class OpenAIServer:
         api_key: str | None = None,
         max_queue: int = 16,
         max_body_bytes: int = DEFAULT_MAX_BODY,
+        max_buffered_bytes: int | None = None,
         allowed_hosts: Iterable[str] | None = LOOPBACK_HOSTS,
         allowed_origins: Iterable[str] = (),
         read_timeout: float = DEFAULT_READ_TIMEOUT,
@@ -85,6 +100,8 @@ class OpenAIServer:
         self.model_id = model_id or gen.model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.max_buffered_bytes = max_buffered_bytes or max(DEFAULT_MAX_BUFFERED, max_body_bytes)
+        self.buffered = 0  # bytes of request bodies being read now
         self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
         self.allowed_origins = {o.lower().rstrip("/") for o in allowed_origins}
         self.read_timeout = read_timeout
@@ -102,6 +119,7 @@ class OpenAIServer:
             ("/health", self.health, "GET", False),  # for probes: open even with --api-key
             ("/metrics", self.prometheus, "GET", True),
         ]
+        self.metrics.known_paths = {path for path, *_ in table}
         routes = [
             Route(path, self._endpoint(handler, path, auth), methods=[method])
             for path, handler, method, auth in table
@@ -116,12 +134,12 @@ class OpenAIServer:
     def uvicorn_config(self, host: str = "127.0.0.1", port: int = 8080, **kwargs: Any) -> Any:
         """The uvicorn configuration this server is meant to run with: a deadline for request
         heads (`TimedH11Protocol`), idle keep-alive connections closed after 5 s, and request
-        heads of at most 16 KiB."""
+        heads of at most 16 KiB (`MAX_HEAD_BYTES`; `Screen` answers a longer one 431)."""
         import uvicorn
 
         protocol = type("_Timed", (TimedH11Protocol,), {"read_timeout": self.read_timeout})
         kwargs.setdefault("timeout_keep_alive", 5)
-        kwargs.setdefault("h11_max_incomplete_event_size", 16 * 1024)
+        kwargs.setdefault("h11_max_incomplete_event_size", MAX_HEAD_BYTES)
         return uvicorn.Config(self.app, host=host, port=port, http=protocol, **kwargs)
 
     # -- plumbing -------------------------------------------------------------------------------
@@ -149,8 +167,10 @@ class OpenAIServer:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
+        # Header values arrive as bytes (starlette decodes them as latin-1): compare the bytes
+        # the client sent with the key's UTF-8, so a non-ASCII key works.
         if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
+            token.strip().encode("latin-1"), self.api_key.encode("utf-8")
         ):
             raise APIError(
                 401,
@@ -191,27 +211,25 @@ class OpenAIServer:
                 code="unsupported_media_type",
             )
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise self._too_large()
-        body = bytearray()
-        try:
-            with anyio.fail_after(self.read_timeout):
-                async for part in request.stream():  # also bounds bodies sent without a length
-                    body += part
-                    if len(body) > self.max_body_bytes:
-                        raise self._too_large()
-        except TimeoutError:
-            raise APIError(
-                408,
-                f"The request body did not arrive within {self.read_timeout:g} s.",
-                code="request_timeout",
-            ) from None
+        if declared and declared.isascii() and declared.isdigit():
+            if int(declared) > self.max_body_bytes:
+                raise self._too_large()
+        try:  # 429 before the body is buffered: it would only wait in vain
+            self.slot.check_room()
+        except APIError:
+            await self._read_body(request, keep=False)  # drained, so the client hears the 429
+            raise
+        body = await self._read_body(request)
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"The request body is not valid JSON ({e}).") from None
         except RecursionError:
             raise APIError(400, "The request body is nested too deeply.") from None
+        except ValueError as e:  # an integer literal past Python's digit limit (4300)
+            raise APIError(
+                400, f"The request body holds a number that is too long ({e})."
+            ) from None
         if b"\\ud" in body.lower():  # an escaped surrogate: is any of them unpaired?
             try:
                 json.dumps(data, ensure_ascii=False).encode("utf-8")
@@ -225,6 +243,47 @@ class OpenAIServer:
                     "not text. Send valid Unicode.",
                 ) from None
         return data
+
+    async def _read_body(self, request: Request, keep: bool = True) -> bytearray:
+        """The body, read within the deadline, at most `max_body_bytes` of it, and only while
+        all bodies being read together stay within `max_buffered_bytes` (else 503). A body
+        that is not kept (or not kept any more) is read to its end and dropped piece by
+        piece: the client then hears the answer instead of a reset connection."""
+        body = bytearray()
+        n = 0
+        busy: APIError | None = None
+        try:
+            with anyio.fail_after(self.read_timeout):
+                async for part in request.stream():  # also bounds bodies sent without a length
+                    n += len(part)
+                    if n > self.max_body_bytes:
+                        raise self._too_large()
+                    if not keep or busy is not None:
+                        continue
+                    if self.buffered + len(part) > self.max_buffered_bytes:
+                        busy = APIError(
+                            503,
+                            "The server is reading too many request bodies at once "
+                            f"({self.max_buffered_bytes} bytes in all). Retry later.",
+                            type="server_busy",
+                            code="too_many_bodies",
+                        )
+                        self.buffered -= len(body)
+                        body = bytearray()
+                        continue
+                    body += part
+                    self.buffered += len(part)
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"The request body did not arrive within {self.read_timeout:g} s.",
+                code="request_timeout",
+            ) from None
+        finally:
+            self.buffered -= len(body)
+        if busy is not None:
+            raise busy
+        return body
 
     def _too_large(self) -> APIError:
         return APIError(
@@ -246,7 +305,19 @@ class OpenAIServer:
         # configured for another model ("gpt-4o-mini") works unchanged.
         return req
 
-    async def _options(self, req: Any, prompt: Any, chat_template: bool) -> dict[str, Any]:
+    def _render_bound(self, prompt: Any, tools: Any, kwargs: Any) -> int:
+        """The most characters the chat template may render for a request: proportional to
+        what the client sent (as JSON) and the template, and never more than the context can
+        hold (no token holds more than `max_token_chars` characters)."""
+        tok = self.gen.tokenizer
+        sent = len(json.dumps([prompt, tools, kwargs], ensure_ascii=False))
+        template = len(tok.chat_template or "")
+        fits = 2 * self.gen.context_length * tok.max_token_chars() + template
+        return min(16 * (sent + template) + 65536, fits)
+
+    async def _options(
+        self, request: Request, req: Any, prompt: Any, chat_template: bool
+    ) -> dict[str, Any]:
         """Generation keyword arguments; checks the prompt and max_tokens against the context."""
         context = self.gen.context_length
         where = "messages" if chat_template else "prompt"
@@ -256,16 +327,24 @@ class OpenAIServer:
         kwargs = {**self.chat_template_kwargs, **(getattr(req, "chat_template_kwargs", None) or {})}
         chat = {"tools": tools, "template_kwargs": kwargs or None}
 
+        cancel = threading.Event()  # set when the client leaves
+
         def count() -> int | None:
             texts = _prompt_texts([prompt, tools, kwargs])
             if _surely_too_long(self.gen.tokenizer, texts, context):
                 return None
-            return self.gen.count_tokens(prompt, chat_template=chat_template, **chat)
+            with render_limit(self._render_bound(prompt, tools, kwargs), cancel):
+                return self.gen.count_tokens(prompt, chat_template=chat_template, **chat)
 
-        try:
-            n_prompt = await anyio.to_thread.run_sync(count)
-        except OndeviceError as e:
-            raise APIError(400, str(e), param=where) from None
+        async def counted() -> int | None:
+            try:  # a rendering left behind stops at its next piece of output
+                return await anyio.to_thread.run_sync(count, abandon_on_cancel=True)
+            except OndeviceError as e:
+                raise APIError(400, str(e), param=where) from None
+            finally:
+                cancel.set()
+
+        n_prompt = await until_disconnect(request, counted())
         grammar, spec = None, {}
         if req.response_format is not None:
             spec = {"json_schema": req.response_format.grammar_schema()}
@@ -339,7 +418,8 @@ class OpenAIServer:
         return await self._generate(request, req, req.prompt_value(), chat=False)
 
     async def _generate(self, request: Request, req: Any, prompt: Any, chat: bool) -> Response:
-        options = await self._options(req, prompt, chat_template=chat)
+        options = await self._options(request, req, prompt, chat_template=chat)
+        options["domain"] = _domain(request)
         shape = Shape(
             chat=chat,
             id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
@@ -390,12 +470,23 @@ class OpenAIServer:
                 "model": self.model_id,
                 "busy": self.slot.busy,
                 "queue_length": self.slot.waiting,
+                "draft_acceptance": self.gen.acceptance_drift(),
             }
         )
 
     async def prometheus(self, request: Request) -> Response:
         text = self.metrics.render(self.slot.waiting, self.slot.busy, self.gen.prompt_cache_stats())
+        text += self.gen.drift.prometheus()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+def _domain(request: Request) -> str | None:
+    """The request's domain for the draft's acceptance (header DOMAIN_HEADER), checked."""
+    value = request.headers.get(DOMAIN_HEADER)
+    try:
+        return check_domain(value)
+    except OndeviceError as e:
+        raise APIError(400, f"header {DOMAIN_HEADER}: {e}", param=DOMAIN_HEADER) from None
 
 
 def _prompt_texts(value: Any) -> list[str]:

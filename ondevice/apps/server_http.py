@@ -29,11 +29,15 @@ if TYPE_CHECKING:
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Seconds a client has to send a request head, and then its body; a slow client is cut off.
 DEFAULT_READ_TIMEOUT = 30.0
+# The largest request head (request line and headers) served; a longer one gets 431.
+MAX_HEAD_BYTES = 16 * 1024
 
 
 def error_response(e: APIError) -> JSONResponse:
-    # After a body that was cut short or too large, the connection's framing is lost: close it.
-    headers = {"Connection": "close"} if e.status in (408, 413) else None
+    # After a body that was cut short, too large or left unread, the connection's framing is
+    # lost: close it.
+    unread = getattr(e, "body_unread", False)
+    headers = {"Connection": "close"} if e.status in (408, 413) or unread else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
@@ -119,7 +123,9 @@ class Screen:
         if scope["type"] == "http":
             headers = Headers(scope=scope)
             server = self.server
-            error = screen(headers, server.allowed_hosts, server.allowed_origins)
+            error = _head_too_large(scope) or screen(
+                headers, server.allowed_hosts, server.allowed_origins
+            )
             if error is not None:
                 server.metrics.count_request("(screened)", error.status)
                 await error_response(error)(scope, receive, send)
@@ -133,6 +139,23 @@ class Screen:
                     return
                 send = _with_headers(send, cors)
         await self.app(scope, receive, send)
+
+
+def _head_too_large(scope: Any) -> APIError | None:
+    """431 if the request head is over MAX_HEAD_BYTES. h11 bounds only a head that arrives
+    in pieces; one sent in a single packet (up to 64 KiB) reaches the app whole."""
+    size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+    size += sum(len(k) + len(v) + 4 for k, v in scope.get("headers") or ())
+    if size <= MAX_HEAD_BYTES:
+        return None
+    error = APIError(
+        431,
+        f"The request head (line and headers) is {size} bytes; at most {MAX_HEAD_BYTES} are "
+        "served. Send fewer or shorter headers.",
+        code="request_header_fields_too_large",
+    )
+    error.body_unread = True  # type: ignore[attr-defined]
+    return error
 
 
 def _cors_headers(origin: str, request: Headers) -> dict[str, str]:

@@ -11,11 +11,16 @@ class Metrics:
 
     def __init__(self) -> None:
         self.requests: dict[tuple[str, int], int] = {}  # by (path, status)
+        # the paths counted by name (routes, and "(...)" classes); any other is "(unknown)", so
+        # random URLs cannot grow the metrics without bound (None: every path by name)
+        self.known_paths: set[str] | None = None
         self.generations = self.prompt_tokens = self.generated_tokens = 0
         self.drafted = self.accepted = 0  # draft tokens proposed and accepted
         self.last_tps = 0.0  # tokens/s of the last generation
 
     def count_request(self, path: str, status: int) -> None:
+        if self.known_paths is not None and path not in self.known_paths:
+            path = path if path.startswith("(") and path.endswith(")") else "(unknown)"
         self.requests[(path, status)] = self.requests.get((path, status), 0) + 1
 
     def count_generation(self, stats: dict[str, Any]) -> None:
@@ -31,7 +36,8 @@ class Metrics:
     ) -> str:
         rate = self.accepted / self.drafted if self.drafted else 0.0
         requests = [
-            (f'{{path="{p}",status="{s}"}}', n) for (p, s), n in sorted(self.requests.items())
+            (f'{{path="{_label(p)}",status="{s}"}}', n)
+            for (p, s), n in sorted(self.requests.items())
         ]
         metrics = [
             ("requests_total", "counter", "HTTP requests by path and status code.", requests),
@@ -69,3 +75,8 @@ class Metrics:
                 for labels, v in samples
             ]
         return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    """A label value in Prometheus' text format: backslash, quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -29,8 +29,8 @@ class ModelSlot:
         self.busy = False
         self._lock = asyncio.Lock()  # FIFO: waiters are served in arrival order
 
-    def start(self, prompt: Any, options: dict[str, Any]) -> Run:
-        """Queue a generation (429 if the line is full) and return its handle at once."""
+    def check_room(self) -> None:
+        """APIError 429 if a new request would find the line full."""
         if (self.busy or self._lock.locked()) and self.waiting >= self.max_queue:
             raise APIError(
                 429,
@@ -39,6 +39,10 @@ class ModelSlot:
                 type="rate_limit_error",
                 code="queue_full",
             )
+
+    def start(self, prompt: Any, options: dict[str, Any]) -> Run:
+        """Queue a generation (429 if the line is full) and return its handle at once."""
+        self.check_room()
         self.waiting += 1
         return Run(self, prompt, options)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ondevice.errors import OndeviceError
-from ondevice.models.bundle import MANIFEST, open_bundle, read_manifest, verify_files
+from ondevice.models.bundle import open_bundle, read_manifest, verify_files
 
 
 def _print(text: str = "") -> None:
@@ -30,13 +30,7 @@ def _ops_summary(ops: Any) -> str:
 
 
 def _check_files(root: Path, manifest: dict[str, Any]) -> int:
-    problems = verify_files(root, manifest)
-    listed = set(manifest["files"])
-    extra = sorted(
-        p.relative_to(root).as_posix()
-        for p in root.rglob("*")
-        if p.is_file() and p.relative_to(root).as_posix() not in listed | {MANIFEST}
-    )
+    problems = verify_files(root, manifest)  # unlisted files included: the loaders read them
     n = len(manifest["files"])
     if problems:
         _print(f"files: {len(problems)} of {n} damaged")
@@ -44,8 +38,6 @@ def _check_files(root: Path, manifest: dict[str, Any]) -> int:
             _print(f"  ERROR {p}")
     else:
         _print(f"files: all {n} match their sha256 and size")
-    for rel in extra:
-        _print(f"  warning {rel}: not listed in the manifest (ignored)")
     return len(problems)
 
 
@@ -89,13 +81,8 @@ def _check_draft(mlpackage: Path) -> int:
             _print("  compute plan (MLComputePlan, one per function):")
             for line in _plan_lines(plan):
                 _print(f"    {line}")
-            for fn, placement in plan.items() if isinstance(plan, dict) else ():
-                share = getattr(placement, "share", None)
-                if share is not None and share("NeuralEngine") < 0.5:
-                    _print(
-                        f"  warning: {fn} plans only {100 * share('NeuralEngine'):.0f}% of its "
-                        "cost on the Neural Engine"
-                    )
+            for warning in lint.off_neural_engine(plan) if isinstance(plan, dict) else ():
+                _print(f"  warning: {warning}")
     elif sys.platform == "darwin":
         _print("  compute plan: not available in this build")
     else:

@@ -11,6 +11,7 @@ a staging directory that only becomes OUT when complete (see `ondevice.convert.b
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 import threading
@@ -52,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="float type of the MLX weights (default: as stored in the checkpoint)",
     )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also show coremltools' own progress bars (one per MIL pass pipeline)",
+    )
     p.add_argument(
         "--check",
         metavar="BUNDLE",
@@ -95,6 +102,16 @@ def _add_draft_arguments(p: argparse.ArgumentParser) -> None:
         help="float16 range probe: run the converted draft on N built-in prompts (32 tokens "
         "each) in the reference executor and refuse a package whose activations come near "
         "float16's limit (default 2; 0 skips it; each prompt costs ~40 s for a 0.5B draft)",
+    )
+    p.add_argument(
+        "--acceptance-tokens",
+        type=int,
+        default=64,
+        metavar="N",
+        help="record the pair's draft acceptance per domain (greedy, N tokens from the first "
+        "built-in prompt of each category) in the manifest: the baseline that `serve` and the "
+        "API compare live acceptance with, to tell when the verifier has drifted from the "
+        "draft (default 64; 0 skips it)",
     )
 
 
@@ -177,6 +194,12 @@ def _validate(args: argparse.Namespace) -> None:
         from ondevice.errors import BundleError
 
         raise BundleError(f"--probe-prompts {args.probe_prompts}: use 0 (no probe) or more.")
+    if args.acceptance_tokens < 0:
+        from ondevice.errors import BundleError
+
+        raise BundleError(
+            f"--acceptance-tokens {args.acceptance_tokens}: use 0 (no record) or more."
+        )
 
 
 def _check_pair(verifier: Any, draft: Any, context: int) -> None:
@@ -240,18 +263,9 @@ def _probe_prompts(tokenizer: Any, max_tokens: int = 32) -> list[list[int]]:
     benchmark prompt of each category through the chat template, cut to `max_tokens` (large
     activations show within the first tokens: Qwen2.5-0.5B's residual peaks on the first; the
     probe runs the draft in numpy, about a second per token for a 0.5B draft)."""
-    from ondevice.speedtest.prompts import builtin_prompts_path, read_prompts
+    from ondevice.convert.acceptance import domain_prompts
 
-    prompts, _ = read_prompts(builtin_prompts_path())
-    firsts = {p.category: p.text for p in reversed(prompts)}  # first of each category wins
-    out = []
-    for text in firsts.values():
-        if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-            out.append(tokenizer.encode(text, add_special_tokens=False)[:max_tokens])
-        else:
-            out.append(tokenizer.encode(text)[:max_tokens])
-    return out
+    return [ids[:max_tokens] for ids in domain_prompts(tokenizer).values()]
 
 
 def _mb(n: int) -> str:
@@ -269,6 +283,25 @@ def _convert_progress() -> Callable[..., None]:
             print(f"      {text.strip()}", file=sys.stderr, flush=True)
 
     return report
+
+
+@contextmanager
+def _coremltools_progress(shown: bool) -> Iterator[None]:
+    """coremltools draws a tqdm bar on stderr for each MIL pass pipeline it runs, half a dozen
+    per conversion, between ondevice's own phase lines; hide them unless --verbose."""
+    try:
+        from coremltools.converters.mil.mil.passes import pass_pipeline
+    except ImportError:
+        pass_pipeline = None
+    bar = getattr(pass_pipeline, "tqdm", None)
+    if shown or bar is None:
+        yield
+        return
+    pass_pipeline.tqdm = functools.partial(bar, disable=True)  # tqdm's own switch
+    try:
+        yield
+    finally:
+        pass_pipeline.tqdm = bar
 
 
 def _weights_bytes(source: str) -> int:
@@ -300,7 +333,7 @@ def convert(args: argparse.Namespace) -> int:
         print(f"note: {line}", file=sys.stderr)
     _validate(args)
     check_destination(out, args.force, estimate_bundle_bytes(args))  # before minutes of loading
-    phases = Phases(total=8)
+    phases = Phases(total=9)
     verifier, draft = _load_pair(args, phases)
     with staging_dir(out, force=args.force) as tmp:
         _write_bundle(args, verifier, draft, tmp, phases)
@@ -331,6 +364,25 @@ def _load_pair(args: argparse.Namespace, phases: Phases) -> tuple[Any, Any]:
     return verifier, draft
 
 
+def _measure_acceptance(args: argparse.Namespace, verifier: Any, draft: Any) -> dict | None:
+    """The pair's greedy acceptance per domain (`convert.acceptance`), or None if skipped."""
+    if not args.acceptance_tokens:
+        return None
+    from ondevice.convert.acceptance import domain_prompts, measure
+
+    prompts = domain_prompts(verifier.tokenizer)
+    record = measure(
+        verifier.model, draft.model, prompts, args.acceptance_tokens,
+        eos_token_ids=sorted(verifier.tokenizer.eos_token_ids),
+    )  # fmt: skip
+    rates = ", ".join(
+        f"{name} {d['accepted'] / max(d['accepted'] + d['rejected'], 1):.2f}"
+        for name, d in record["domains"].items()
+    )
+    print(f"      acceptance per domain: {rates}", file=sys.stderr, flush=True)
+    return record
+
+
 def _write_bundle(
     args: argparse.Namespace, verifier: Any, draft: Any, tmp: Path, phases: Phases
 ) -> None:
@@ -343,11 +395,16 @@ def _write_bundle(
         _save_mlx(verifier, tmp / "verifier")
     with phases("writing draft (MLX)"):
         _save_mlx(draft, tmp / "draft" / "mlx")
-    with phases(
-        f"converting draft to Core ML (context {args.context}, chunk {args.draft_chunk}, "
-        f"compress {args.draft_compress}, kv {args.draft_kv})"
+    with (
+        phases(
+            f"converting draft to Core ML (context {args.context}, chunk {args.draft_chunk}, "
+            f"compress {args.draft_compress}, kv {args.draft_kv})"
+        ),
+        _coremltools_progress(shown=args.verbose),
     ):
         description = _convert_draft(args, draft, tmp / "draft" / "draft.mlpackage")
+    with phases(f"measuring the pair's acceptance per domain ({args.acceptance_tokens} tokens)"):
+        acceptance = _measure_acceptance(args, verifier, draft)
     with phases("writing tokenizer"):
         verifier.tokenizer.save(tmp / "tokenizer")
     with phases("computing checksums"):
@@ -355,7 +412,7 @@ def _write_bundle(
             total=total_size(tmp), unit="B", unit_scale=True, leave=False, file=sys.stderr
         ) as bar:
             files = file_entries(tmp, progress=bar.update)
-        write_manifest(tmp, _manifest(args, verifier, draft, description, files))
+        write_manifest(tmp, _manifest(args, verifier, draft, description, files, acceptance))
 
 
 def _convert_draft(args: argparse.Namespace, draft: Any, path: Path) -> dict:
@@ -379,7 +436,12 @@ def _convert_draft(args: argparse.Namespace, draft: Any, path: Path) -> dict:
 
 
 def _manifest(
-    args: argparse.Namespace, verifier: Any, draft: Any, description: dict, files: Any
+    args: argparse.Namespace,
+    verifier: Any,
+    draft: Any,
+    description: dict,
+    files: Any,
+    acceptance: dict | None = None,
 ) -> dict[str, Any]:
     """The bundle's manifest fields (`write_manifest` adds the format's own)."""
     return {
@@ -407,6 +469,7 @@ def _manifest(
             "dtype": args.dtype,
         },
         "files": files,
+        **({"acceptance": acceptance} if acceptance is not None else {}),
     }
 
 

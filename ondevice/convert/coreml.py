@@ -62,6 +62,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -331,6 +332,28 @@ def _build_model(
     return convert_program(prog, "mlprogram", ct.PassPipeline.EMPTY, skip_model_load=True)
 
 
+def _core_ml_can_plan() -> bool:
+    return sys.platform == "darwin"  # MLComputePlan needs Core ML itself
+
+
+def _check_plan(package: Path, description: dict, say: Callable[[str], None]) -> None:
+    """Where Core ML plans each function's cost (recorded in `description`), with a warning
+    for a function mostly off the Neural Engine: advice, so a failure to plan is only noted."""
+    from ondevice.convert import lint
+
+    say("Core ML compute plan")
+    try:
+        plan = lint.compute_plan(package)
+    except Exception as e:
+        say(f"no compute plan ({type(e).__name__}: {e})")
+        return
+    description["neural_engine_share"] = {
+        fn: round(p.share("NeuralEngine"), 3) for fn, p in plan.items()
+    }
+    for warning in lint.off_neural_engine(plan):
+        print(f"ondevice-convert: warning: {warning}", file=sys.stderr)
+
+
 def _check_package(
     package: Path,
     probe_prompts: Sequence[Sequence[int]] | None,
@@ -341,6 +364,8 @@ def _check_package(
     added to `description`; either raises ConversionError on what it finds."""
     say("Neural Engine lint")
     _refuse_lint_errors(package)
+    if _core_ml_can_plan():
+        _check_plan(package, description, say)
     if not probe_prompts:
         return
     say(f"float16 range probe on {len(probe_prompts)} prompts (reference executor)")

@@ -299,6 +299,18 @@ class Placement:
         return "; ".join(parts)
 
 
+NEURAL_ENGINE_MIN_SHARE = 0.5  # of a function's estimated cost, below which we warn
+
+
+def off_neural_engine(plan: dict[str, Placement]) -> list[str]:
+    """A warning for each function whose plan puts most of its cost off the Neural Engine."""
+    return [
+        f"{fn} plans only {100 * p.share('NeuralEngine'):.0f}% of its cost on the Neural Engine"
+        for fn, p in plan.items()
+        if p.share("NeuralEngine") < NEURAL_ENGINE_MIN_SHARE
+    ]
+
+
 def compute_plan(
     path: str | Path, *, load_plan: Callable[[Path], Any] | None = None
 ) -> dict[str, Placement]:

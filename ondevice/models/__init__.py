@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ondevice.errors import ModelFormatError
 from ondevice.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from ondevice.models.hub import resolve
 from ondevice.models.tokenizer import Tokenizer
-from ondevice.models.transformer import Model
+
+if TYPE_CHECKING:
+    from ondevice.models.transformer import Model
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -20,6 +23,16 @@ __all__ = [
     "Tokenizer",
     "load_model",
 ]
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    """`Model` on first use: it imports MLX, which `ondevice doctor` and the sizes, hub and
+    config helpers must not need (an x86_64 Python on an Apple Silicon Mac has no MLX)."""
+    if name == "Model":
+        from ondevice.models.transformer import Model
+
+        return Model
+    raise AttributeError(f"module 'ondevice.models' has no attribute {name!r}")
 
 
 @dataclass

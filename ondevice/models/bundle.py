@@ -109,6 +109,8 @@ def _relpath(mf: Path, field: str, value: Any) -> str:
     """A path inside the bundle: relative, without '..', in POSIX form."""
     if not isinstance(value, str) or not value.strip():
         raise _bad(mf, field, "a relative path (a non-empty string)", value)
+    if any(ord(c) < 32 for c in value):  # a NUL cannot even be opened
+        raise _bad(mf, field, "a path without control characters", value)
     pure = PurePosixPath(value)
     if pure.is_absolute() or PureWindowsPath(value).drive or ".." in pure.parts or "\\" in value:
         raise BundleError(
@@ -130,8 +132,8 @@ def _validate(mf: Path, m: dict[str, Any]) -> None:
         if not isinstance(m[section], dict):
             raise _bad(mf, section, "an object", m[section])
     files = m["files"]
-    if not isinstance(files, dict):
-        raise _bad(mf, "files", "an object of path -> {sha256, size}", files)
+    if not isinstance(files, dict) or not files:
+        raise _bad(mf, "files", "a non-empty object of path -> {sha256, size}", files)
     for rel, entry in files.items():
         _relpath(mf, f"files.{rel}", rel)
         if not isinstance(entry, dict):
@@ -209,9 +211,74 @@ def _inside(root: Path, rel: str) -> Path | None:
 
 
 def verify_files(root: str | Path, manifest: dict[str, Any], mode: Verify = "full") -> list[str]:
-    """Problems with the bundle's files (missing, wrong size, wrong sha256, outside the bundle);
-    empty if intact. mode "sample": large files are checked by their sample digest only."""
+    """Problems with the bundle's files (missing, wrong size, wrong sha256, outside the bundle,
+    a shard index leading elsewhere, a file or link the manifest does not list); empty if
+    intact. mode "sample": large files are checked by their sample digest only."""
     root = Path(root)
+    problems = _listed_problems(root, manifest, mode)
+    problems += _index_problems(root, manifest)
+    problems += [
+        f"{rel}: not listed in the manifest; a bundle holds only the files it lists (remove "
+        "it, or convert the pair again)"
+        for rel in unlisted_files(root, manifest)
+    ]
+    return problems
+
+
+# Files that macOS' Finder writes into folders it shows; no loader reads them.
+_IGNORED = (".DS_Store",)
+
+
+def unlisted_files(root: Path, manifest: dict[str, Any]) -> list[str]:
+    """Files and links under `root` that the manifest does not list (links are not followed):
+    loaders read folders whole (every *.safetensors, chat_template.jinja), so nothing may lie
+    in a bundle unverified."""
+    listed = set(manifest["files"]) | {MANIFEST}
+    found = []
+    for dirpath, dirs, names in os.walk(root):
+        for name in [*dirs, *names]:
+            full = Path(dirpath, name)
+            rel = full.relative_to(root).as_posix()
+            if name in _IGNORED or rel in listed:
+                continue
+            if full.is_symlink() or not full.is_dir():
+                found.append(rel)
+        dirs[:] = [d for d in dirs if not Path(dirpath, d).is_symlink()]
+    return sorted(found)
+
+
+def _index_problems(root: Path, manifest: dict[str, Any]) -> list[str]:
+    """Each listed shard index (`*.safetensors.index.json`) must name listed files beside it."""
+    problems = []
+    for rel in sorted(manifest["files"]):
+        if not rel.endswith(".safetensors.index.json") or _inside(root, rel) is None:
+            continue
+        try:
+            weight_map = json.loads((root / rel).read_text(encoding="utf-8"))["weight_map"]
+            shards = set(weight_map.values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            problems.append(f"{rel}: not a readable shard index ({type(e).__name__})")
+            continue
+        folder = PurePosixPath(rel).parent
+        for shard in sorted(shards, key=str):
+            if (
+                not isinstance(shard, str)
+                or "/" in shard
+                or "\\" in shard
+                or shard in ("", ".", "..")
+            ):
+                problems.append(
+                    f"{rel}: names the shard {str(shard)[:80]!r}, which is not a file beside it "
+                    "in the bundle; the index was tampered with"
+                )
+            elif (folder / shard).as_posix() not in manifest["files"]:
+                problems.append(
+                    f"{rel}: names the shard {shard!r}, which the manifest does not list"
+                )
+    return problems
+
+
+def _listed_problems(root: Path, manifest: dict[str, Any], mode: Verify) -> list[str]:
     problems: list[str] = []
     for rel, entry in sorted(manifest["files"].items()):
         f = _inside(root, rel)

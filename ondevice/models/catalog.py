@@ -31,7 +31,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, did_you_mean
 
 CATALOG_ENV = "ONDEVICE_CATALOG"
 SOURCE_KINDS = ("hub", "pypi")
@@ -159,7 +159,8 @@ class Catalog:
         key = name or self.default_pair
         if key not in self.pairs:
             known = ", ".join(sorted(self.pairs)) or "none"
-            raise CatalogError(f"{self.path}: no pair named {key!r} (known pairs: {known}).")
+            hint = did_you_mean(str(key), self.pairs)
+            raise CatalogError(f"{self.path}: no pair named {key!r} (known pairs: {known}).{hint}")
         return self.pairs[key]
 
 

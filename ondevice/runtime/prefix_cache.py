@@ -21,6 +21,7 @@ Every call must come from the model's generation thread (MLX streams belong to t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -41,7 +42,7 @@ from ondevice.speculative.engine import Engine
 
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB: a few long conversations of a 1.5B pair
 FILE_FORMAT = "ondevice-prompt-cache"
-FILE_VERSION = 1
+FILE_VERSION = 2  # 2: a sha256 over the tokens, fingerprints and arrays is kept and checked
 
 
 class PromptCacheError(OndeviceError):
@@ -246,7 +247,11 @@ class PrefixCache:
             self._entries.move_to_end(key)
         put(verifier, e.verifier, nv, move, prompt)  # type: ignore[arg-type]
         if nd:
-            put(draft, e.draft, nd, move, prompt)  # type: ignore[arg-type]
+            try:
+                put(draft, e.draft, nd, move, prompt)  # type: ignore[arg-type]
+            except Exception:  # e.g. Core ML refusing a state write: the draft prefills instead
+                draft.reset()  # type: ignore[union-attr]
+                nd = 0
         self.hits += 1
         self.cached_tokens += nv
         return Restored(nv, nd)
@@ -330,6 +335,7 @@ class PrefixCache:
             "tokens": json.dumps([int(t) for t in tokens]),
             **fingerprints,
         }
+        meta["sha256"] = _digest(arrays, meta)
         path = Path(path)
         if path.suffix != ".safetensors":
             path_tmp = path.with_name(f".{path.name}.tmp.safetensors")
@@ -337,9 +343,19 @@ class PrefixCache:
             path_tmp = path.with_name(f".{path.stem}.tmp.safetensors")
         try:
             mx.save_safetensors(str(path_tmp), arrays, metadata=meta)
+            # read back: MLX reports no write error (a full disk leaves a short file)
+            back, back_meta = mx.load(str(path_tmp), format="safetensors", return_metadata=True)
+            if back_meta.get("sha256") != _digest(back, back_meta):
+                raise OSError("the file read back differs from what was written; is the disk full?")
             os.replace(path_tmp, path)
+        except (OSError, RuntimeError, ValueError) as e:  # MLX raises RuntimeError for files
+            raise PromptCacheError(
+                f"{path}: cannot write the prompt cache ({e}). Check that the folder exists, is "
+                "writable and has room for it."
+            ) from None
         finally:
-            path_tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # none was made, or its folder is not one
+                path_tmp.unlink(missing_ok=True)
 
     def load_file(
         self,
@@ -366,6 +382,11 @@ class PrefixCache:
                 f"{path}: prompt cache format {meta.get('format_version')}, this version reads "
                 f"{FILE_VERSION}; make it again with `ondevice cache-prompt`."
             )
+        if meta.get("sha256") != _digest(arrays, meta):
+            raise PromptCacheError(
+                f"{path}: damaged (its contents do not match the sha256 it was saved with); "
+                "make it again with `ondevice cache-prompt`."
+            )
         for field, what in (("tokenizer", "tokenizer"), ("verifier", "verifier model")):
             if meta.get(field) != fingerprints[field]:
                 raise PromptCacheError(
@@ -374,7 +395,7 @@ class PrefixCache:
                     "make it again with `ondevice cache-prompt` and the same --model, --draft "
                     "and --dtype."
                 )
-        tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
+        tokens = _tokens(meta.get("tokens"), verifier.vocab_size, path)
         v = _saved_from_file(arrays, "verifier", verifier, len(tokens), path)
         d = None
         # a file without a draft part: the draft's window had moved; it prefills itself
@@ -392,6 +413,38 @@ class PrefixCache:
         return len(tokens)
 
 
+def _digest(arrays: dict[str, mx.array], meta: dict[str, str]) -> str:
+    """sha256 over the metadata (but its own digest) and every array's name, dtype, shape and
+    bytes: a flipped bit anywhere in a saved prompt is found before its KV is used."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "sha256"},
+                                  sort_keys=True).encode())  # fmt: skip
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(f"{name}:{a.dtype}:{tuple(a.shape)}".encode())
+        raw = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a  # numpy has no bfloat16
+        h.update(np.ascontiguousarray(np.array(raw)).data)
+    return h.hexdigest()
+
+
+def _tokens(value: Any, vocab_size: int, path: Path) -> tuple[int, ...]:
+    """The saved token ids, checked: a list of ids of the loaded vocabulary."""
+    try:
+        tokens = json.loads(value)
+    except (TypeError, ValueError):
+        tokens = None
+    if (
+        not isinstance(tokens, list)
+        or not tokens
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
+        or not all(0 <= t < vocab_size for t in tokens)
+    ):
+        raise PromptCacheError(
+            f"{path}: its token list is not a list of this model's token ids; make it again "
+            "with `ondevice cache-prompt`."
+        )
+    return tuple(tokens)
+
+
 def _covers(new: Saved | None, old: Saved | None) -> bool:
     return old is None or (new is not None and new.length >= old.length)
 
@@ -403,11 +456,13 @@ def _saved_from_file(
         if isinstance(engine, MLXEngine):
             layers = len(engine.cache)
             kv = [(arrays[f"{role}.{i}.keys"], arrays[f"{role}.{i}.values"]) for i in range(layers)]
-            if any(k.shape[2] != n for k, _ in kv):
-                raise KeyError("length")
+            cfg = engine.model.config
+            want = (1, cfg.num_key_value_heads, n, cfg.head_dim)
+            if any(tuple(a.shape) != want for pair in kv for a in pair):
+                raise KeyError("shape")
             return Saved(n, KVCache.holding(kv))
         parts = {name: np.array(arrays[f"{role}.{name}"]) for name in ("key_cache", "value_cache")}
-        if any(a.shape[2] != n for a in parts.values()):
+        if any(a.ndim != 4 or a.shape[2] != n for a in parts.values()):
             raise KeyError("length")
         return Saved(n, parts)
     except KeyError:

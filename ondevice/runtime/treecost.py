@@ -124,14 +124,14 @@ def engine_key(engine: Engine) -> str:
         dtype = str(first.dtype) if isinstance(first, mx.array) else "?"
         desc = json.dumps({"config": asdict(cfg), "dtype": dtype}, sort_keys=True, default=str)
     else:
-        desc = json.dumps(
-            [
-                engine.name,
-                engine.vocab_size,
-                engine.context_length,
-                str(getattr(engine, "path", "")),
-            ]
-        )
+        import platform
+
+        path = getattr(engine, "path", None)
+        if path is not None:  # a package draft: its contents (compression, kv mode) and the OS
+            from ondevice.runtime.coreml_engines import package_digest
+
+            path = [str(path), package_digest(path), platform.mac_ver()[0]]
+        desc = json.dumps([engine.name, engine.vocab_size, engine.context_length, path or ""])
     return f"{engine.name}-{hashlib.sha256(desc.encode()).hexdigest()[:16]}"
 
 

@@ -43,6 +43,7 @@ class DecodeStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0  # rounds whose draft was cut short: alpha = accepted / (accepted + rejected)
     extra: dict = field(default_factory=dict)
 
 
@@ -129,6 +130,7 @@ class DecoderBase:
             self.stats.rounds += 1
             self.stats.drafted += step.drafted
             self.stats.accepted += step.accepted
+            self.stats.rejected += step.accepted < step.drafted
             out = step.tokens
             flags = [True] * step.accepted + [False] * (len(out) - step.accepted)
             finish = None

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ondevice.errors import OndeviceError
+from ondevice.runtime.memory import param_bytes
 from ondevice.speedtest.peers import SPEC, MlxLmPeer, Steps, mlx_lm_rounds, spec_k
 from ondevice.speedtest.prompts import BenchPrompt
 
@@ -40,11 +40,6 @@ class BenchOptions:
     peers: tuple[str, ...] = ()
     peer_draft_tokens: tuple[int, ...] = ()  # mlx-lm's speculative decoding at each fixed K
     warmup: bool = True
-
-
-def param_bytes(model: Any) -> int:
-    """Bytes held by a model's parameters (packed weights, scales and biases when quantized)."""
-    return int(sum(v.nbytes for _, v in tree_flatten(model.parameters())))
 
 
 def draft_mlx_model(gen: Any) -> Any | None:
