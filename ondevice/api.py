@@ -641,10 +641,12 @@ def load(
     path = resolve(verifier)
     pair: _Pair
     from ondevice.models.bundle import is_bundle, open_bundle
+    from ondevice.models.gguf_tokenizer import repair_bundle_tokenizers
 
     if is_bundle(path):
         b = open_bundle(path)
         v = load_model(b.verifier_dir, quantize=quantize, **opts)
+        repair_bundle_tokenizers(b.manifest, [v.tokenizer], str(path))  # prompts' tokenizer
         pair = _Pair(v, extra={"name": path.name})
         _bundle_draft(pair, b, opts)
     else:

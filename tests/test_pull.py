@@ -54,6 +54,7 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 32, inter: int = 64
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
     w.add_token_list(tokens)
     w.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
     w.add_token_merges([])

@@ -243,7 +243,7 @@ def gguf_vocabulary() -> tuple[list[str], list[str], list[int]]:
 
 
 def write_gguf(
-    path: Path, seed: int = 0, quant: str | None = None, **config_kwargs
+    path: Path, seed: int = 0, quant: str | None = None, pre: str = "gpt-2", **config_kwargs
 ) -> tuple[Path, dict]:
     """A tiny llama GGUF as llama.cpp writes it (Q/K permuted). Returns (path, reference weights):
     the HF-layout float32 weights the GGUF encodes (after quantization round-trip if `quant`)."""
@@ -264,6 +264,7 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

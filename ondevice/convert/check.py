@@ -98,6 +98,27 @@ def _plan_lines(plan: Any) -> list[str]:
     return [str(p) for p in plan]
 
 
+def _check_tokenizer(manifest: dict[str, Any], verifier_dir: Path) -> int:
+    """Whether the verifier's tokenizer was built from a GGUF file the old way (GPT-2's split
+    for every vocabulary): a warning when loading repairs it, an error when it cannot."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from ondevice.models.gguf_tokenizer import stale_bundle_tokenizer
+
+    try:
+        tok = HFTokenizer.from_file(str(verifier_dir / "tokenizer.json"))
+        stale = stale_bundle_tokenizer(manifest, tok)
+    except Exception as e:  # a damaged tokenizer.json; the file check names it too
+        _print(f"tokenizer: ERROR cannot read it ({type(e).__name__}: {e})")
+        return 1
+    if stale is None:
+        _print("tokenizer: current")
+        return 0
+    fixed, line = stale
+    _print(f"tokenizer: {'warning (repaired on load)' if fixed else 'ERROR'} {line}")
+    return 0 if fixed else 1
+
+
 def run_check(path: Path) -> int:
     """Print a report on the bundle at `path`; 0 if it is intact and lint finds no errors."""
     root = Path(path).expanduser().resolve()
@@ -112,6 +133,7 @@ def run_check(path: Path) -> int:
     except OndeviceError as e:
         _print(f"  ERROR {e}")
         return 1
+    errors += _check_tokenizer(bundle.manifest, bundle.verifier_dir)
     if bundle.mlpackage is None:
         _print("draft: no Core ML package in this bundle")
     else:

@@ -451,6 +451,9 @@ def _manifest(
             "fingerprint": verifier.tokenizer.fingerprint(),
             "vocab_size": verifier.tokenizer.vocab_size,
             "eos_token_ids": sorted(verifier.tokenizer.eos_token_ids),
+            # How a GGUF vocabulary was built (version, pre-tokenizer): a later ondevice tells
+            # a tokenizer built the old way from this (models.gguf_tokenizer).
+            **({"gguf": verifier.tokenizer.origin} if verifier.tokenizer.origin else {}),
         },
         "verifier": {"path": "verifier", **_describe(verifier, str(args.verifier))},
         "draft": {

@@ -1,7 +1,10 @@
 """GGUF files from llama.cpp: config, tokenizer and weights without torch or transformers.
 
 A small reader of the GGUF header gives the metadata and the tensor table, and checks every
-tensor's type first, so an unsupported quantization gets a clear error naming the tensor.
+tensor's type first, so an unsupported quantization gets a clear error naming the tensor. It is
+kept rather than `gguf.GGUFReader` (whose type tables it uses): the library builds a numpy view
+for every string of the vocabulary and merges, which on a 150k-token file costs seconds and
+hundreds of MB where this reader takes a fraction of a second (docs/benchmarks.md, issue 24).
 Files whose tensors are all F32/F16/Q4_0/Q4_1/Q8_0 load through `mx.load`, which keeps the
 quantized ones in MLX's own affine format (group size 32; bits follow from the packed shape).
 Other block formats, llama.cpp's K-quants above all (its default Q4_K_M download), are not read
@@ -19,44 +22,13 @@ from typing import Any, BinaryIO
 
 import mlx.core as mx
 import numpy as np
-from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors
-from tokenizers import Tokenizer as HFTokenizer
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ondevice.errors import ModelFormatError
 from ondevice.models.config import ModelConfig
+from ondevice.models.gguf_tokenizer import tokenizer_from_metadata
 from ondevice.models.tokenizer import Tokenizer
 
-GGML_TYPES = {
-    0: "F32",
-    1: "F16",
-    2: "Q4_0",
-    3: "Q4_1",
-    6: "Q5_0",
-    7: "Q5_1",
-    8: "Q8_0",
-    9: "Q8_1",
-    10: "Q2_K",
-    11: "Q3_K",
-    12: "Q4_K",
-    13: "Q5_K",
-    14: "Q6_K",
-    15: "Q8_K",
-    16: "IQ2_XXS",
-    17: "IQ2_XS",
-    18: "IQ3_XXS",
-    19: "IQ1_S",
-    20: "IQ4_NL",
-    21: "IQ3_S",
-    22: "IQ2_S",
-    23: "IQ4_XS",
-    24: "I8",
-    25: "I16",
-    26: "I32",
-    27: "I64",
-    28: "F64",
-    29: "IQ1_M",
-    30: "BF16",
-}
 # Read by `mx.load`, which keeps Q4_0/Q4_1/Q8_0 packed in MLX's own format.
 MLX_NATIVE_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
 # Expanded by the `gguf` package (its numpy kernels), then requantized with these bits unless
@@ -109,19 +81,28 @@ def _read_str(f: BinaryIO) -> str:
     return f.read(n).decode("utf-8", errors="replace")
 
 
+# struct formats of GGUF's scalar value types (strings and arrays are read by _read_value)
 _SCALARS = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
+    GGUFValueType.UINT8: "B",
+    GGUFValueType.INT8: "b",
+    GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I",
+    GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f",
+    GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT64: "d",
 }
+
+
+def _type_name(t: int) -> str:
+    """The GGML type name ("Q4_K") of a tensor type code, or "type N" for one gguf-py lacks."""
+    try:
+        return GGMLQuantizationType(t).name
+    except ValueError:
+        return f"type {t}"
 
 
 @dataclass(frozen=True)
@@ -144,9 +125,9 @@ class Header:
 def _read_value(f: BinaryIO, vtype: int) -> Any:
     if vtype in _SCALARS:
         return _read(f, _SCALARS[vtype])
-    if vtype == 8:
+    if vtype == GGUFValueType.STRING:
         return _read_str(f)
-    if vtype == 9:
+    if vtype == GGUFValueType.ARRAY:
         item, n = _read(f, "I"), _read(f, "Q")
         if item in _SCALARS:
             fmt = _SCALARS[item]
@@ -161,8 +142,6 @@ def _read_value(f: BinaryIO, vtype: int) -> Any:
 
 def _tensor_nbytes(type_name: str, shape: tuple[int, ...]) -> int:
     """Bytes of a tensor's data: whole blocks along the fastest dimension."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     try:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     except KeyError:
@@ -192,7 +171,7 @@ def read_header(path: Path) -> Header:
                 dims = [_read(f, "Q") for _ in range(n_dims)]
                 t = _read(f, "I")
                 offset = _read(f, "Q")
-                type_name = GGML_TYPES.get(t, f"type {t}")
+                type_name = _type_name(t)
                 shape = tuple(reversed(dims))
                 tensors.append(
                     TensorInfo(name, type_name, shape, offset, _tensor_nbytes(type_name, shape))
@@ -258,71 +237,6 @@ def config_from_metadata(
     if scaling == "linear":
         d["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
     return ModelConfig.from_dict(d, source=source)
-
-
-def tokenizer_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer:
-    kind = meta.get("tokenizer.ggml.model")
-    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
-    if not tokens:
-        raise ModelFormatError(f"{source}: GGUF metadata has no tokenizer.ggml.tokens.")
-    types = _scalar(meta.get("tokenizer.ggml.token_type")) or [1] * len(tokens)
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if kind == "gpt2":
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-        tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=False))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.decoder = decoders.ByteLevel()
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    elif kind == "llama":
-        scores = _scalar(meta.get("tokenizer.ggml.scores")) or [0.0] * len(tokens)
-        unk = int(_scalar(meta.get("tokenizer.ggml.unknown_token_id", 0)))
-        tok = HFTokenizer(
-            models.Unigram(
-                [(t, float(s)) for t, s in zip(tokens, scores)], unk_id=unk, byte_fallback=True
-            )
-        )
-        tok.normalizer = normalizers.Sequence(
-            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-        )
-        tok.decoder = decoders.Sequence(
-            [
-                decoders.Replace("▁", " "),
-                decoders.ByteFallback(),
-                decoders.Fuse(),
-                decoders.Strip(" ", 1, 0),
-            ]
-        )
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"(?!)"), "isolated")  # no splitting
-    else:
-        raise ModelFormatError(
-            f"{source}: GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)."
-        )
-    # Control and user-defined tokens (types 3 and 4) are special: never split, skipped on request.
-    specials = [t for t, ty in zip(tokens, types) if ty in (3, 4)]
-    from tokenizers import AddedToken
-
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-
-    def tok_text(key: str) -> str | None:
-        i = meta.get(key)
-        return tokens[int(_scalar(i))] if i is not None and int(_scalar(i)) < len(tokens) else None
-
-    eos_ids = (
-        [int(_scalar(meta["tokenizer.ggml.eos_token_id"]))]
-        if "tokenizer.ggml.eos_token_id" in meta
-        else []
-    )
-    eot = meta.get("tokenizer.ggml.eot_token_id")
-    if eot is not None:
-        eos_ids.append(int(_scalar(eot)))
-    return Tokenizer(
-        tok,
-        eos_token_ids=eos_ids,
-        bos_token=tok_text("tokenizer.ggml.bos_token_id"),
-        eos_token=tok_text("tokenizer.ggml.eos_token_id"),
-        chat_template=meta.get("tokenizer.chat_template"),
-        add_bos_token=bool(_scalar(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))),
-    )
 
 
 # -- weights -------------------------------------------------------------------------------------
@@ -442,7 +356,6 @@ def _load_dequantized(
     numpy releases the GIL in them), then optionally requantized to MLX's format."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
     try:

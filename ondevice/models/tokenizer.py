@@ -4,7 +4,7 @@ A model folder is read with transformers' `AutoTokenizer` (fast tokenizers; a fo
 SentencePiece's `tokenizer.model` is converted through `sentencepiece`), and chat templates are
 rendered by its `apply_chat_template`, so tools, documents and template keyword arguments
 (Qwen3's `enable_thinking`) work as they do there. A GGUF file carries its vocabulary in its
-metadata: that one is built with the `tokenizers` library (gguf.py) and wrapped in the same
+metadata: that one is built with the `tokenizers` library (gguf_tokenizer.py) and wrapped in the same
 transformers class for its template. Encoding and decoding call the Rust tokenizer directly,
 and streaming text comes from `tokenizers`' `DecodeStream` (linear in the answer's length).
 transformers runs without torch here; its notice about that is silenced.
@@ -41,8 +41,12 @@ class Tokenizer:
         chat_template: str | None = None,
         add_bos_token: bool = False,
         hf: Any = None,
+        origin: dict[str, Any] | None = None,
     ) -> None:
         self._tok = tok
+        # How a tokenizer built from GGUF metadata was made (gguf_tokenizer: version, model,
+        # pre-tokenizer); None for a tokenizer read from files. Bundles record it.
+        self.origin = origin
         self._hf = hf  # the transformers tokenizer (built on first use when None)
         self._max_token_chars: int | None = None
         self.bos_token = bos_token
@@ -113,6 +117,10 @@ class Tokenizer:
         if self.chat_template:
             cfg["chat_template"] = self.chat_template
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1, ensure_ascii=False))
+
+    def replace_backend(self, tok: HFTokenizer) -> None:
+        """Use `tok` from now on (a repaired copy of the same vocabulary)."""
+        self._tok, self._hf = tok, None
 
     # -- text <-> ids ---------------------------------------------------------------------------
 
