@@ -23,7 +23,13 @@ from ondevice.runtime.coreml_engines import fall_back
 from ondevice.runtime.decoders import METHODS as METHODS
 from ondevice.runtime.decoders import check_method, make_decoder
 from ondevice.runtime.drift import DriftMonitor, check_domain, read_baseline, state_key
-from ondevice.runtime.engines import DRAFT_BACKENDS, MLXEngine, make_draft_engine
+from ondevice.runtime.engines import (
+    DRAFT_BACKENDS,
+    MLXEngine,
+    draft_window,
+    innermost,
+    make_draft_engine,
+)
 from ondevice.runtime.memory import apply_metal_limits, param_bytes
 from ondevice.runtime.placement import Placement, place_draft
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
@@ -129,6 +135,11 @@ class Generator:
         apply_metal_limits(
             param_bytes(self.verifier.model) + (param_bytes(draft_mlx) if draft_mlx else 0)
         )
+        if self.draft is not None:
+            # past its own context the draft drafts from the newest tokens (a sliding window)
+            self.draft = draft_window(self.draft, self.context_length)
+        # the draft's window in tokens (None: no draft); prompts may be longer (context_length)
+        self.draft_context = self.draft.window if self.draft is not None else None
         # The model's generation thread: every generation runs there, so the KV caches (whose
         # MLX arrays belong to the thread's stream) outlive a call and the prompt cache can
         # reuse them. Started on first use. Its job queue is also the line of callers: a
@@ -394,6 +405,7 @@ class Generator:
             restored = Restored()
             self._reset_engines()
         t_restore = time.perf_counter() - t
+        moves = draft.moves if draft is not None else 0
         emitted: list[int] = []
         consistent = True  # the caches hold whole rounds (a closed stream stops between them)
         chunks = self._stream(dec, ids, max_tokens, stops, cancel)
@@ -403,6 +415,9 @@ class Generator:
                 if chunk.stats is not None:
                     chunk.stats["cached_tokens"] = restored.verifier
                     chunk.stats["draft_cached_tokens"] = restored.draft
+                    if draft is not None:  # the draft's window, and how often it moved
+                        chunk.stats["draft_window"] = draft.window
+                        chunk.stats["draft_window_moves"] = draft.moves - moves
                     chunk.stats["prompt_seconds"] += t_restore
                     chunk.stats["total_seconds"] += t_restore
                     if bucket is not None:
@@ -432,12 +447,13 @@ class Generator:
             pair.draft = pair.extra["reload_draft"]()
         to = "bundle's MLX" if pair.draft is not None else "reference"
         fall_back(reason, to, pair.mlpackage)  # type: ignore[arg-type]
-        self.draft = make_draft_engine(
+        engine = make_draft_engine(
             "mlx" if pair.draft is not None else "reference",
             mlx_model=pair.draft.model if pair.draft is not None else None,
             mlpackage=pair.mlpackage,
             context_length=pair.draft_context,
         )
+        self.draft = draft_window(engine, self.context_length)
         self.draft_backend = self.draft.name
         self.placement = None
         self._fingerprints = None
@@ -471,10 +487,11 @@ class Generator:
                 "verifier": self._call(lambda: model_fingerprint(self.verifier.model)),
                 "draft": "",
             }
-            if isinstance(self.draft, MLXEngine):
-                fp["draft"] = "mlx:" + self._call(lambda: model_fingerprint(self.draft.model))
-            elif self.draft is not None:
-                fp["draft"] = "package:" + package_fingerprint(self.draft.path)
+            draft = innermost(self.draft) if self.draft is not None else None
+            if isinstance(draft, MLXEngine):
+                fp["draft"] = "mlx:" + self._call(lambda: model_fingerprint(draft.model))
+            elif draft is not None:
+                fp["draft"] = "package:" + package_fingerprint(draft.path)
             self._fingerprints = fp
         return self._fingerprints
 
@@ -524,7 +541,7 @@ class Generator:
                 if self.placement is not None
                 else self.draft_backend in PIPELINE_BY_DEFAULT
             )
-        return make_decoder(
+        dec = make_decoder(
             method if speculative else "chain",
             self.verifier,
             self.draft if speculative else None,
@@ -534,6 +551,9 @@ class Generator:
             num_draft_tokens=num_draft_tokens,
             pipeline=pipeline,
         )
+        if not speculative:
+            dec.skip_reason = "speculative=False"
+        return dec
 
     def _stream(self, dec, ids, max_tokens, stops, cancel):
         detok = self.tokenizer.detokenizer()

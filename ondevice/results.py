@@ -58,4 +58,6 @@ def generation_stats(
         "process_peak_bytes": peak_footprint_bytes(),  # with the Core ML draft and the rest
         "draft_backend": draft_backend if s.drafted else None,
         **dec.extra_stats(),
+        # why speculation was off, when it was for the whole generation
+        **({} if s.drafted else {"draft_skipped": dec.skip_reason or "nothing was proposed"}),
     }

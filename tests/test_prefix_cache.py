@@ -456,7 +456,8 @@ def test_chat_stats_show_the_prompt_cache(models):
         ctrl.wait()
     out = io.StringIO()
     TerminalChat(ctrl, out=out).command("/stats")
-    first, second = out.getvalue().splitlines()
+    first, limits, second = out.getvalue().splitlines()
+    assert limits.startswith("context 512 tokens, draft reads the last ")
     turn = ctrl.last_stats
     assert turn["cached_tokens"] > 0
     assert f"prompt {turn['prompt_tokens']} tokens" in first

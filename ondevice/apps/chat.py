@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 
 from ondevice.apps.chat_controller import ChatController, ChatState, Settings
-from ondevice.apps.formatting import format_prompt_cache, format_stats
+from ondevice.apps.formatting import format_limits, format_prompt_cache, format_stats
 
 HELP = """commands:
   /reset         forget the conversation
@@ -163,6 +163,7 @@ class TerminalChat:
             self.say("(conversation cleared)")
         elif name == "/stats":
             self.say(format_stats(self.ctrl.last_stats))
+            self.say(format_limits(self.ctrl.limits()))
             self.say(format_prompt_cache(self.ctrl.prompt_cache_stats()))
         elif name == "/system":
             if rest.strip():

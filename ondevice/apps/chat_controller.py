@@ -220,6 +220,15 @@ class ChatController:
         self._gen, self.model_name, self.error = gen, gen.model_name, None
         self.events.put(ChatEvent("loaded", text=gen.model_name))
 
+    def limits(self) -> dict[str, int | None] | None:
+        """The loaded model's two limits: `context` (the verifier's: the longest conversation
+        it answers) and `draft_window` (the draft's: past it, the draft drafts from the newest
+        tokens only; None without a draft)."""
+        gen = self._gen
+        if gen is None:
+            return None
+        return {"context": gen.context_length, "draft_window": gen.draft_context}
+
     def prompt_cache_stats(self) -> dict[str, int] | None:
         """The loaded model's prompt cache: entries, bytes, hits, misses, evictions..."""
         gen = self._gen

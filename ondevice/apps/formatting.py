@@ -10,8 +10,9 @@ from ondevice.models.sizes import human_size
 
 def format_stats(stats: dict[str, Any] | None) -> str:
     """One line about an answer: tokens and speed, the prompt (and how much of it came from the
-    prompt cache), and acceptance when a draft was used. Live counters (no prompt yet) give the
-    share of tokens that came from the draft instead."""
+    prompt cache), and acceptance when a draft was used (with the draft's window when the
+    prompt outgrew it), or why no draft was used. Live counters (no prompt yet) give the share
+    of tokens that came from the draft instead."""
     if not stats:
         return "no answer yet"
     parts = [
@@ -31,11 +32,26 @@ def format_stats(stats: dict[str, Any] | None) -> str:
         if stats.get("draft_backend"):
             passes += f" (draft: {stats['draft_backend']})"
         parts.append(passes)
+        if stats.get("draft_window_moves"):
+            parts.append(f"draft read the last {stats['draft_window']} tokens")
+    elif stats.get("draft_skipped"):
+        parts.append(f"no drafting: {stats['draft_skipped']}")
     elif "from_draft" in stats:
         parts.append(f"{stats['from_draft']:.0%} from draft")
     if stats.get("stopped"):
         parts.append("stopped")
     return ", ".join(parts)
+
+
+def format_limits(limits: dict[str, int | None] | None) -> str:
+    """One line about the loaded model's two limits (`ChatController.limits`): how long a
+    conversation can be, and how much of it the draft reads."""
+    if not limits:
+        return "context: no model loaded"
+    line = f"context {limits['context']} tokens"
+    if limits.get("draft_window"):
+        line += f", draft reads the last {limits['draft_window']}"
+    return line
 
 
 def format_prompt_cache(pc: dict[str, int] | None) -> str:

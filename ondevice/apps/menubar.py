@@ -53,7 +53,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 from pathlib import Path
 
 from ondevice.apps.chat_controller import ChatController, ChatState
-from ondevice.apps.formatting import format_stats
+from ondevice.apps.formatting import format_limits, format_stats
 from ondevice.apps.installed import InstalledModel, installed_bundles
 from ondevice.models.sizes import human_size
 
@@ -155,6 +155,7 @@ class MenuBarApp(rumps.App):
         self.models_item = rumps.MenuItem("Model")
         self.speed_item = rumps.MenuItem("No answer yet")
         self.status_item = rumps.MenuItem("")  # what a long step is doing
+        self.limits_item = rumps.MenuItem(format_limits(None))
         self.error_item = rumps.MenuItem("")
         self.menu = [
             self.ask_item,
@@ -168,6 +169,7 @@ class MenuBarApp(rumps.App):
             None,
             self.status_item,
             self.speed_item,
+            self.limits_item,
             self.error_item,
             None,
             rumps.MenuItem("Quit", callback=self.quit, key="q"),
@@ -310,6 +312,7 @@ class MenuBarApp(rumps.App):
             self.stop_item.set_callback(self.stop if state is ChatState.GENERATING else None)
         live = self.ctrl.live_stats()
         self.speed_item.title = format_stats(live if live is not None else self.ctrl.last_stats)
+        self.limits_item.title = format_limits(self.ctrl.limits())
         if events or live is not None:
             self.update_panel()
 

@@ -459,6 +459,8 @@ class OpenAIServer:
             "owned_by": "ondevice",
             "context_length": self.gen.context_length,
             "draft_backend": self.gen.draft_backend,
+            # past this many tokens the draft drafts from the newest ones only
+            "draft_context_length": self.gen.draft_context,
         }
 
     async def health(self, request: Request) -> Response:

@@ -72,10 +72,16 @@ def make_decoder(
     opts = {"eos_token_ids": eos_token_ids, "seed": seed}
     if method == "chain":
         if draft is None or num_draft_tokens == 0:
-            if params.greedy and params.plain and params.logprobs is None:
-                if isinstance(verifier, MLXEngine) and rule is None:
-                    return PlainGreedyDecoder(verifier, eos_token_ids)
-            return SpeculativeDecoder(verifier, None, params, rule=rule, **opts)
+            plain: Decoder
+            if (
+                params.greedy and params.plain and params.logprobs is None
+                and isinstance(verifier, MLXEngine) and rule is None
+            ):  # fmt: skip
+                plain = PlainGreedyDecoder(verifier, eos_token_ids)
+            else:
+                plain = SpeculativeDecoder(verifier, None, params, rule=rule, **opts)
+            plain.skip_reason = "num_draft_tokens=0" if draft else "no draft model is loaded"
+            return plain
         chain = PipelinedDecoder if pipeline else SpeculativeDecoder
         return chain(verifier, draft, params, num_draft_tokens=num_draft_tokens, rule=rule, **opts)
     verifier = tree_engine(verifier)

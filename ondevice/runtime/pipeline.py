@@ -48,6 +48,7 @@ import numpy as np
 
 from ondevice.runtime import threads
 from ondevice.runtime.costmodel import CostModel
+from ondevice.runtime.engines import innermost
 from ondevice.speculative.decoder import ChainDecoder, block_length
 from ondevice.speculative.decoding import Round, Step
 from ondevice.speculative.engine import Engine, prefill
@@ -294,7 +295,8 @@ class PipelinedDecoder(ChainDecoder):
 
     def run(self, prompt: Sequence[int], max_tokens: int, resume: bool = False) -> Iterator[Round]:
         """As `SpeculativeDecoder.run` (resume: the caches already hold a prefix of `prompt`)."""
-        self._stream = _mlx_draft_stream if _is_mlx(self.draft) else _NoStream
+        draft = innermost(self.draft)  # a draft window over MLX drafts on MLX
+        self._stream = _mlx_draft_stream if _is_mlx(draft) else _NoStream
         seq = list(prompt)
         self.prefill(seq, resume)
         self._submitter = (
@@ -318,8 +320,7 @@ class PipelinedDecoder(ChainDecoder):
             self._chain = []
 
     def step(self, seq: list[int], room: int) -> Step:
-        draft_room = self.draft.context_length - len(seq) - 1
-        kmax = max(0, min(room - 1, draft_room))
+        kmax = 0 if self.no_room(room) else max(0, min(room - 1, self.draft_room(seq)))
         block, q = self._block(kmax)  # 1. pre-drafted, or drafted now
         K = len(block)
         logits = self._verify(seq, block, kmax, room)  # 2-3. drafting on meanwhile

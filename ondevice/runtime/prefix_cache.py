@@ -37,7 +37,7 @@ import numpy as np
 
 from ondevice.errors import OndeviceError
 from ondevice.models.cache import KVCache
-from ondevice.runtime.engines import MLXEngine
+from ondevice.runtime.engines import DraftWindow, MLXEngine, innermost
 from ondevice.speculative.engine import Engine
 
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB: a few long conversations of a 1.5B pair
@@ -76,11 +76,27 @@ class Saved:
         return sum(a.nbytes for a in self.kv.values())
 
     def fits(self, engine: Engine) -> bool:
+        if isinstance(engine, DraftWindow):
+            engine = innermost(engine)
         return isinstance(self.kv, KVCache) == isinstance(engine, MLXEngine)
+
+
+def _prefix_engine(engine: Engine, n: int) -> Engine | None:
+    """The engine whose cache holds the sequence's first n positions: the engine itself, or a
+    draft window's engine while the window has not moved (None once it has: nothing to keep,
+    the draft then prefills only its window's tokens)."""
+    if isinstance(engine, DraftWindow):
+        return innermost(engine) if engine.holds_prefix(n) else None
+    return engine
 
 
 def take(engine: Engine, n: int) -> Saved | None:
     """The engine's first n positions; the engine is left empty. An MLX cache is moved out."""
+    if isinstance(engine, DraftWindow):
+        inner = _prefix_engine(engine, n)
+        saved = take(inner, n) if inner is not None else None
+        engine.reset()
+        return saved
     if n <= 0:
         engine.reset()
         return None
@@ -96,9 +112,13 @@ def take(engine: Engine, n: int) -> Saved | None:
     return saved
 
 
-def put(engine: Engine, saved: Saved, n: int, move: bool) -> None:
-    """Start the engine from the first n positions of `saved` (moved when `move`: then `saved`
-    must not be used again)."""
+def put(engine: Engine, saved: Saved, n: int, move: bool, tokens: Sequence[int]) -> None:
+    """Start the engine from the first n positions of `saved`, which hold tokens[:n] (moved when
+    `move`: then `saved` must not be used again)."""
+    if isinstance(engine, DraftWindow):
+        put(innermost(engine), saved, n, move, tokens)
+        engine.adopt(tokens[:n])
+        return
     if isinstance(saved.kv, KVCache):
         assert isinstance(engine, MLXEngine)
         if move:
@@ -225,10 +245,10 @@ class PrefixCache:
             self._remove(key)
         else:
             self._entries.move_to_end(key)
-        put(verifier, e.verifier, nv, move)  # type: ignore[arg-type]
+        put(verifier, e.verifier, nv, move, prompt)  # type: ignore[arg-type]
         if nd:
             try:
-                put(draft, e.draft, nd, move)  # type: ignore[arg-type]
+                put(draft, e.draft, nd, move, prompt)  # type: ignore[arg-type]
             except Exception:  # e.g. Core ML refusing a state write: the draft prefills instead
                 draft.reset()  # type: ignore[union-attr]
                 nd = 0
@@ -297,6 +317,10 @@ class PrefixCache:
         for role, engine in (("verifier", verifier), ("draft", draft)):
             if engine is None:
                 continue
+            if engine.length >= n:
+                engine = _prefix_engine(engine, n)
+                if engine is None:  # a draft window that moved: the draft prefills itself
+                    continue
             if engine.length < n:
                 raise ValueError(f"the {role}'s cache holds {engine.length} of {n} tokens")
             if isinstance(engine, MLXEngine):
@@ -374,9 +398,11 @@ class PrefixCache:
         tokens = _tokens(meta.get("tokens"), verifier.vocab_size, path)
         v = _saved_from_file(arrays, "verifier", verifier, len(tokens), path)
         d = None
-        if draft is not None:
+        # a file without a draft part: the draft's window had moved; it prefills itself
+        has_draft = any(k.startswith("draft.") for k in arrays)
+        if draft is not None and has_draft:
             if meta.get("draft") == fingerprints.get("draft"):
-                d = _saved_from_file(arrays, "draft", draft, len(tokens), path)
+                d = _saved_from_file(arrays, "draft", innermost(draft), len(tokens), path)
             else:
                 warnings.warn(
                     f"{path}: made for another draft (or draft backend); only the verifier's "

@@ -104,7 +104,7 @@ class TreeDecoder(DecoderBase):
 
     def step(self, seq: list[int], room: int) -> Step:
         t = time.perf_counter()
-        proposed = room > 1
+        proposed = not self.no_room(room)
         if proposed:
             tree = self.proposer.propose(seq, room - 1, self.noise)
         else:
@@ -118,6 +118,11 @@ class TreeDecoder(DecoderBase):
         self.time_verify += t3 - t2
         name = getattr(self.proposer, "last_name", self.proposer.name)
         self._per_method[name] = self._per_method.get(name, 0) + 1
+        if proposed and tree.size == 0:
+            self.skip_reason = (
+                f"the {name!r} proposer proposed nothing (no match, or nothing the cost model "
+                "found worth verifying)"
+            )
         return Step([*(tree.tokens[n] for n in path), tok], len(path), tree.size)
 
     def round_logprobs(self, tokens: list[int]) -> list[TokenLogprob] | None:

@@ -111,6 +111,9 @@ def device_name() -> str:
 def engine_key(engine: Engine) -> str:
     """What determines an engine's pass cost: its architecture, dtype and quantization (not the
     weight values), or for non-MLX engines their kind, vocabulary and context."""
+    from ondevice.runtime.engines import innermost
+
+    engine = innermost(engine)  # a draft window costs what its engine does
     model = getattr(engine, "model", None)
     cfg = getattr(model, "config", None)
     if cfg is not None and is_dataclass(cfg):

@@ -235,6 +235,18 @@ class ChainDecoder(DecoderBase):
     def round_logprobs(self, tokens: list[int]) -> list[TokenLogprob] | None:
         return self.chooser.logprobs(self._logits, tokens)
 
+    def draft_room(self, seq: Sequence[int]) -> int:
+        """Drafts the draft's context leaves room for after `seq` (a `DraftWindow` never runs
+        out; a bare engine of fixed context does), noting why when none."""
+        assert self.draft is not None
+        room = self.draft.context_length - len(seq) - 1
+        if room <= 0:
+            self.skip_reason = (
+                f"the sequence is longer than the draft's {self.draft.context_length}-token "
+                "context (a draft without a window)"
+            )
+        return room
+
 
 class SpeculativeDecoder(ChainDecoder):
     """Drives a verifier engine and an optional draft engine over one prompt, one block after
@@ -290,9 +302,8 @@ class SpeculativeDecoder(ChainDecoder):
 
     def step(self, seq: list[int], room: int) -> Step:
         k = 0
-        if self.draft is not None:
-            draft_room = self.draft.context_length - len(seq) - 1
-            k = max(0, min(self.k.k, room - 1, draft_room))
+        if self.draft is not None and not self.no_room(room):
+            k = max(0, min(self.k.k, room - 1, self.draft_room(seq)))
         drafts, q = self.propose(seq, k) if k else ([], None)
         n, tok = self.verify(seq, drafts, q)
         if drafts:  # the draft saw seq and drafts[:-1]; the accepted part stays valid

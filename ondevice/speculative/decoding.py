@@ -51,6 +51,7 @@ class Decoder(Protocol):
     """The decoder interface (see the module docstring)."""
 
     stats: DecodeStats
+    skip_reason: str | None  # why rounds drafted nothing (see `DecoderBase`)
     time_prefill: float
     time_draft: float
     time_verify: float
@@ -85,6 +86,8 @@ class DecoderBase:
         self.time_prefill = 0.0
         self.time_draft = 0.0
         self.time_verify = 0.0
+        # why the latest round drafted nothing (reported when no round drafted anything)
+        self.skip_reason: str | None = None
 
     def check_prompt(self, prompt: Sequence[int]) -> None:
         if not prompt:
@@ -150,6 +153,16 @@ class DecoderBase:
 
     def round_logprobs(self, tokens: list[int]) -> list[TokenLogprob] | None:
         return None
+
+    def no_room(self, room: int) -> bool:
+        """True, noting why, when this round can emit only one token (nothing to draft)."""
+        if room > 1:
+            return False
+        # a reason found earlier says more than the last round's lack of room
+        self.skip_reason = self.skip_reason or (
+            "no room for drafts: max_tokens or the verifier's context ends here"
+        )
+        return True
 
     def extra_stats(self) -> dict:
         return {}
