@@ -6,7 +6,7 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -146,14 +146,17 @@ class Generator:
         json_schema: dict[str, Any] | bool | None = None,
         lark: str | None = None,
         regex: str | None = None,
+        gbnf: str | None = None,
     ) -> Grammar:
         """A grammar for `stream(grammar=...)`: JSON valid under `json_schema` (True: any JSON
-        object), or text matching a Lark grammar or a regular expression. Both models'
-        distributions are masked by it, so speculation stays exact for the constrained law."""
+        object), or text matching a Lark grammar, a GBNF grammar (llama.cpp's) or a regular
+        expression. Both models' distributions are masked by it, so speculation stays exact for
+        the constrained law. A grammar that no token of the vocabulary can begin is refused
+        here; one that reaches such a state later ends its generation with a GrammarError."""
         from ondevice.speculative import grammar as g
 
-        if sum(x is not None for x in (json_schema, lark, regex)) != 1:
-            raise OndeviceError("give exactly one of json_schema, lark or regex.")
+        if sum(x is not None for x in (json_schema, lark, regex, gbnf)) != 1:
+            raise OndeviceError("give exactly one of json_schema, lark, gbnf or regex.")
         if self._ll_tokenizer is None:  # about half a second for a large vocabulary
             self._ll_tokenizer = g.ll_tokenizer(
                 self.tokenizer._tok, self.verifier.vocab_size, self.tokenizer.eos_token_ids
@@ -165,6 +168,8 @@ class Generator:
             return g.Grammar.json_schema(*args, schema, *rest)
         if lark is not None:
             return g.Grammar.lark(*args, lark, *rest)
+        if gbnf is not None:
+            return g.Grammar.gbnf(*args, gbnf, *rest)
         return g.Grammar.regex(*args, regex, *rest)
 
     # -- generation -------------------------------------------------------------------------
@@ -193,6 +198,7 @@ class Generator:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         cache_prompt: bool = True,
+        hide_tokens: Collection[int] = (),
         _cancel: threading.Event | None = None,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are decided; the last chunk carries finish_reason and stats.
@@ -210,6 +216,8 @@ class Generator:
         draft alike, so speculation stays exact for the transformed law. logprobs: report the
         verifier's log-probabilities of the emitted tokens (and of the `logprobs` most likely).
         tools, chat_template_kwargs: passed to the chat template (see `encode_prompt`).
+        hide_tokens: token ids whose text never appears in the chunks (special tokens, see
+        `Tokenizer.special_ids`); a stop string equal to one's text still ends the answer.
         """
         try:
             params = SamplingParams(
@@ -236,6 +244,7 @@ class Generator:
         if not ids:
             raise OndeviceError("the prompt is empty (it encodes to no tokens); pass some text.")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        hidden = frozenset(int(t) for t in hide_tokens)
         if not self._lock.acquire(blocking=False):
             raise OndeviceError("this model is already generating; wait for it to finish.")
         try:
@@ -244,7 +253,9 @@ class Generator:
             def job() -> Iterator[Chunk]:
                 dec = self._decoder(params, seed, num_draft_tokens, speculative, method, pipeline)
                 draft = self.draft if speculative else None
-                return self._cached_stream(dec, draft, ids, max_tokens, stops, cancel, cache_prompt)
+                return self._cached_stream(
+                    dec, draft, ids, max_tokens, stops, cancel, cache_prompt, hidden
+                )
 
             yield from self._thread().iterate(job, cancel)
         finally:
@@ -262,7 +273,7 @@ class Generator:
         """fn() on the model's thread (it may touch the caches); its result or exception."""
         return self._thread().call(fn)
 
-    def _cached_stream(self, dec, draft, ids, max_tokens, stops, cancel, cache_prompt):
+    def _cached_stream(self, dec, draft, ids, max_tokens, stops, cancel, cache_prompt, hidden):
         """`_stream` from the prompt cache's longest prefix of `ids`; afterwards the caches are
         kept there (or dropped when the generation failed mid-round)."""
         t = time.perf_counter()
@@ -274,7 +285,7 @@ class Generator:
         t_restore = time.perf_counter() - t
         emitted: list[int] = []
         consistent = True  # the caches hold whole rounds (a closed stream stops between them)
-        chunks = self._stream(dec, ids, max_tokens, stops, cancel)
+        chunks = self._stream(dec, ids, max_tokens, stops, cancel, hidden)
         try:
             for chunk in chunks:
                 emitted.extend(chunk.tokens)
@@ -389,9 +400,13 @@ class Generator:
             pipeline=pipeline,
         )
 
-    def _stream(self, dec, ids, max_tokens, stops, cancel):
-        detok = self.tokenizer.detokenizer()
-        return decode_chunks(dec, ids, max_tokens, stops, cancel, detok, self.draft_backend)
+    def _stream(self, dec, ids, max_tokens, stops, cancel, hidden=frozenset()):
+        detok = self.tokenizer.detokenizer(hidden)
+        # a hidden token whose text is a stop string still stops (Continue's FIM stop list)
+        stop_ids = {t for t in hidden if self.tokenizer.id_to_token(t) in stops}
+        return decode_chunks(
+            dec, ids, max_tokens, stops, cancel, detok, self.draft_backend, stop_ids
+        )
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         text, tokens = [], []

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="NAME",
         help="also answer requests for this Host name (default on loopback: 127.0.0.1, "
-        "localhost, ::1 only; other addresses answer any name unless this is given)",
+        "localhost, ::1 and the container host names host.docker.internal, "
+        "host.containers.internal; other addresses answer any name unless this is given)",
     )
     p.add_argument(
         "--allow-origin",
@@ -151,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         hosts: tuple[str, ...] | None = (*LOOPBACK_HOSTS, *args.allow_host)
     else:  # reached by names we cannot know; --allow-host turns the check on
         hosts = (args.host, *LOOPBACK_HOSTS, *args.allow_host) if args.allow_host else None
+    sock = bind(args.host, args.port)  # a busy port is found before the model loads
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     gen = load_generator(args)
     apply_chat_template_option(gen, args.chat_template)
@@ -182,7 +186,32 @@ def run(args: argparse.Namespace) -> int:
     )
     config = server.uvicorn_config(args.host, args.port, log_level=args.log_level)
     try:
-        uvicorn.Server(config).run()
+        uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
+    finally:
+        sock.close()
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on host:port (as uvicorn binds one), or a clear error."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OndeviceError(f"--host {host}: not an address of this machine ({e}).") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OndeviceError(
+                f"port {port} on {host} is already in use (another server?): stop it, or "
+                "choose another with --port."
+            ) from None
+        raise OndeviceError(f"cannot listen on {host}:{port}: {e.strerror or e}.") from None
+    sock.set_inheritable(True)
+    return sock
