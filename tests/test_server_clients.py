@@ -443,15 +443,25 @@ def test_parallel_tool_calls_false_gives_one_call(server, stream):
         assert [c.function.name for c in calls] == names
 
 
-def test_the_markers_the_server_reads_are_never_hidden(coder):
-    """A GGUF vocabulary marks <tool_call> and <think> special: they stay in the text."""
+def test_special_ids_keep_the_markers_the_server_reads(coder):
+    """A GGUF vocabulary marks <tool_call> and <think> special (user-defined tokens): the
+    server's hidden set leaves them in the text; the thinking tags here are not special."""
     ids = {tid(coder, t) for t in EXTRA}
-    assert coder.tokenizer.special_ids() & ids == ids - {
-        tid(coder, "<think>"),
-        tid(coder, "</think>"),
-    }
+    think = {tid(coder, "<think>"), tid(coder, "</think>")}
+    assert coder.tokenizer.special_ids() & ids == ids - think
     kept = coder.tokenizer.special_ids(keep=["<|fim_pad|>"])
     assert tid(coder, "<|fim_pad|>") not in kept and tid(coder, "<|file_sep|>") in kept
+
+
+def test_seed_gives_the_same_tokens_for_the_same_settings(server):
+    """docs/openai.md's statement about `seed`: the same settings, the same tokens, with the
+    prompt cache on or off."""
+    for k in (3, 6):
+        texts = {
+            _content(_chat(server, temperature=1.0, seed=7, num_draft_tokens=k, **extra))
+            for extra in ({}, {}, {"cache_prompt": False})
+        }
+        assert len(texts) == 1
 
 
 def test_serve_finds_a_busy_port_before_loading(tmp_path):
