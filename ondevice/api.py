@@ -207,7 +207,10 @@ class Generator:
         pass), "pld" (prompt lookup, no draft needed), "lookahead" (no draft needed),
         "cascade" (the draft itself sped up by prompt lookup) or "auto".
         pipeline: overlap drafting with verification (chain only); None picks what is faster
-        for the draft backend. Every choice gives the same tokens for the same seed.
+        for the draft backend. With the same seed and settings the tokens are the same,
+        pipelined or not; another method or num_draft_tokens may use the random draws
+        differently (the same distribution, other samples); at temperature 0 every choice gives
+        the verifier's greedy tokens.
         cache_prompt: start from the longest prefix of the prompt whose KV the prompt cache
         holds (`stats["cached_tokens"]`), and keep this generation's KV there; the tokens are
         the same either way.
