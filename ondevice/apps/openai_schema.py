@@ -253,7 +253,9 @@ class _Request(BaseModel):
             if not key.isdigit():
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")
         extra = self.model_extra or {}
-        given = [n for n in ("grammar", "json_schema", "response_format") if getattr(self, n)]
+        given = [n for n in ("grammar", "json_schema") if getattr(self, n) is not None]
+        if self.response_format is not None and self.response_format.grammar_schema() is not None:
+            given.append("response_format")
         if len(given) > 1:
             raise ValueError(f"give one of {' and '.join(given)}: each constrains the answer")
         for name, why in _REFUSED.items():
