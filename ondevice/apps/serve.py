@@ -195,16 +195,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening-ready socket on host:port (as uvicorn binds one), or a clear error."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise OndeviceError(f"--host {host}: not an address of this machine ({e}).") from None
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    """A socket bound to host:port as uvicorn binds one (IPv6 for an address with a colon),
+    or a clear error."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(address)
+        sock.bind((host, port))
+    except socket.gaierror as e:
+        sock.close()
+        raise OndeviceError(f"--host {host}: not an address of this machine ({e}).") from None
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
