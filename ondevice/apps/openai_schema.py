@@ -3,7 +3,10 @@
 Types are strict (a string is not a number). Every field of OpenAI's chat and completions
 requests is either honoured or, when set to something the runtime cannot do (`n > 1`, audio,
 `echo`), refused with a message that names it; none is silently dropped (docs/openai.md has
-the table). Fields no OpenAI client sends are ignored, as OpenAI does.
+the table). Fields no OpenAI client sends are ignored, as OpenAI does. A null field is a field
+left out. llama.cpp's and Ollama's extension fields (`grammar`, `json_schema`, `cache_prompt`,
+`repeat_penalty`, `options`) are read as well: mapped onto this API's fields where the meaning
+is the same, refused by name where it is not.
 """
 
 from __future__ import annotations
