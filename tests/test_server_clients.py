@@ -22,6 +22,7 @@ from test_server import CONTEXT, MESSAGES, LiveServer, write_model
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 import ondevice
+from ondevice.apps.reasoning import ReasoningStream
 from ondevice.apps.serve import warm_up
 
 # Qwen2.5-Coder's FIM and control tokens, special as a GGUF file marks them, and Qwen3's
@@ -388,6 +389,25 @@ def test_reasoning_content_is_split_whole_and_streamed(server):
         "reasoning_content"
         not in _chat(server, grammar='start: "plain"').json()["choices"][0]["message"]
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "opened", "split"),
+    [
+        ("<think>\nplan\n</think>\n\nanswer", False, ("\nplan\n", "answer")),
+        ("  <think>a</think>b</think>", False, ("a", "b</think>")),
+        ("plan</think> answer", True, ("plan", "answer")),
+        ("no thinking <think>here</think>", False, ("", "no thinking <think>here</think>")),
+        ("<thin", False, ("", "<thin")),
+        ("<think>cut short", False, ("cut short", "")),
+    ],
+)
+def test_reasoning_stream_splits_alike_however_the_text_arrives(text, opened, split):
+    for cut in range(len(text) + 1):
+        for pieces in ([text[:cut], text[cut:]], list(text)):
+            stream = ReasoningStream(opened)
+            parts = [stream.feed(p) for p in pieces] + [stream.flush()]
+            assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == split
 
 
 def test_no_split_for_a_model_without_thinking_tags(plain):
