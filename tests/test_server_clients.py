@@ -186,6 +186,8 @@ def test_special_tokens_never_reach_content_but_still_stop(server, coder):
         "finish_reason": "length",
     }
     assert r.json()["usage"]["completion_tokens"] == 6
+    lp = _post(server, "/v1/completions", {**body, "logprobs": 1}).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [""] * 6 and lp["text_offset"] == [0] * 6  # they spell the text
     r = _post(server, "/v1/completions", {**body, "stop": QWEN_FIM_STOPS})
     assert r.json()["choices"][0]["finish_reason"] == "stop"
     assert r.json()["usage"]["completion_tokens"] == 1

@@ -459,11 +459,14 @@ def _piece(tokenizer: Any, token: int) -> tuple[str, list[int]]:
     return text, list(text.encode("utf-8"))
 
 
-def chat_logprobs(tokenizer: Any, logprobs: list[Any]) -> dict[str, Any]:
-    """OpenAI's chat `logprobs` object from `TokenLogprob`s."""
+def chat_logprobs(
+    tokenizer: Any, logprobs: list[Any], hidden: frozenset[int] = frozenset()
+) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` object from `TokenLogprob`s. A token in `hidden` (left out of
+    the text) is reported with empty text, so the tokens still spell the text."""
     content = []
     for lp in logprobs:
-        text, raw = _piece(tokenizer, lp.token)
+        text, raw = ("", []) if lp.token in hidden else _piece(tokenizer, lp.token)
         top = []
         for t, v in lp.top:
             tt, tb = _piece(tokenizer, t)
@@ -472,12 +475,14 @@ def chat_logprobs(tokenizer: Any, logprobs: list[Any]) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(tokenizer: Any, logprobs: list[Any], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Any, logprobs: list[Any], offset: int = 0, hidden: frozenset[int] = frozenset()
+) -> dict[str, Any]:
     """The legacy completions `logprobs` object (tokens, token_logprobs, top_logprobs,
-    text_offset)."""
+    text_offset); a token in `hidden` has empty text, as in `chat_logprobs`."""
     tokens, values, tops, offsets = [], [], [], []
     for lp in logprobs:
-        text, _ = _piece(tokenizer, lp.token)
+        text = "" if lp.token in hidden else _piece(tokenizer, lp.token)[0]
         tokens.append(text)
         values.append(lp.logprob)
         tops.append({_piece(tokenizer, t)[0]: v for t, v in lp.top})

@@ -410,6 +410,7 @@ class OpenAIServer:
             created=int(time.time()),
             model=self.model_id,
             tokenizer=self.gen.tokenizer if options.get("logprobs") is not None else None,
+            hidden=self.hidden_tokens,
             tools=frozenset(t["function"]["name"] for t in tools),
             max_calls=None if parallel else 1,
             thinking=thinking,

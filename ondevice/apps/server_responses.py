@@ -95,6 +95,7 @@ class Shape:
     created: int
     model: str
     tokenizer: Any = None  # set when the request asked for logprobs
+    hidden: frozenset[int] = frozenset()  # token ids left out of the text
     # the names of the tools the request offered: tool calls in the text become tool_calls
     tools: frozenset[str] = frozenset()
     max_calls: int | None = None  # 1 for parallel_tool_calls: false
@@ -117,8 +118,8 @@ class Shape:
         if self.tokenizer is None:
             return None
         if self.chat:
-            return chat_logprobs(self.tokenizer, logprobs)
-        return completion_logprobs(self.tokenizer, logprobs, offset)
+            return chat_logprobs(self.tokenizer, logprobs, self.hidden)
+        return completion_logprobs(self.tokenizer, logprobs, offset, self.hidden)
 
     def _envelope(self, choices: list[dict[str, Any]], streamed: bool) -> dict[str, Any]:
         if self.chat:
