@@ -169,6 +169,18 @@ def test_suffix_is_filled_in_the_middle(server, coder):
     assert resp.choices[0].text == ref.text
 
 
+def test_a_filled_in_middle_ends_at_end_of_text(server, coder):
+    """<|endoftext|> is not this model's EOS (as in some GGUF files): a FIM answer still
+    ends there."""
+    bias = {str(tid(coder, "<|endoftext|>")): 100}
+    body = {"model": "m", "prompt": "x", "max_tokens": 6, "temperature": 0, "logit_bias": bias}
+    plain = _post(server, "/v1/completions", body).json()
+    assert plain["choices"][0]["finish_reason"] == "length"  # without suffix: no FIM stops
+    fim = _post(server, "/v1/completions", {**body, "suffix": "y"}).json()
+    assert fim["choices"][0]["finish_reason"] == "stop"
+    assert fim["usage"]["completion_tokens"] == 1 and fim["choices"][0]["text"] == ""
+
+
 def test_suffix_without_fim_tokens_is_a_400_naming_it(plain):
     r = _post(plain, "/v1/completions", {"model": "m", "prompt": "def f(", "suffix": ")"})
     assert "FIM" in _error(r, "suffix")

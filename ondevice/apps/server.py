@@ -375,6 +375,9 @@ class OpenAIServer:
         prompt = req.prompt_value()
         if req.suffix is not None:
             prompt = self._fill_in_the_middle(prompt, req.suffix)
+            # the middle ends where the model writes end-of-text or another FIM marker (not
+            # every GGUF file counts <|endoftext|> as an end-of-sequence token)
+            req.stop = [*(req.stop_list() or ()), *FIM_ENDS]
         return await self._generate(request, req, prompt, chat=False)
 
     def _fill_in_the_middle(self, prompt: str | list[int], suffix: str) -> list[int]:
@@ -465,6 +468,11 @@ FIM_TOKENS = (
     ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
     ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),
 )
+# Where a filled-in middle ends: end-of-text and file markers, and any FIM marker.
+FIM_ENDS = (
+    "<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<file_sep>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", *(t for names in FIM_TOKENS for t in names),
+)  # fmt: skip
 
 
 def _token_id(tokenizer: Any, text: str) -> int | None:
