@@ -7,7 +7,7 @@ import numbers
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -245,14 +245,17 @@ class Generator:
         json_schema: dict[str, Any] | bool | None = None,
         lark: str | None = None,
         regex: str | None = None,
+        gbnf: str | None = None,
     ) -> Grammar:
         """A grammar for `stream(grammar=...)`: JSON valid under `json_schema` (True: any JSON
-        object), or text matching a Lark grammar or a regular expression. Both models'
-        distributions are masked by it, so speculation stays exact for the constrained law."""
+        object), or text matching a Lark grammar, a GBNF grammar (llama.cpp's) or a regular
+        expression. Both models' distributions are masked by it, so speculation stays exact for
+        the constrained law. A grammar that no token of the vocabulary can begin is refused
+        here; one that reaches such a state later ends its generation with a GrammarError."""
         from ondevice.speculative import grammar as g
 
-        if sum(x is not None for x in (json_schema, lark, regex)) != 1:
-            raise OndeviceError("give exactly one of json_schema, lark or regex.")
+        if sum(x is not None for x in (json_schema, lark, regex, gbnf)) != 1:
+            raise OndeviceError("give exactly one of json_schema, lark, gbnf or regex.")
         if self._ll_tokenizer is None:  # about half a second for a large vocabulary
             self._ll_tokenizer = g.ll_tokenizer(
                 self.tokenizer._tok, self.verifier.vocab_size, self.tokenizer.eos_token_ids
@@ -264,6 +267,8 @@ class Generator:
             return g.Grammar.json_schema(*args, schema, *rest)
         if lark is not None:
             return g.Grammar.lark(*args, lark, *rest)
+        if gbnf is not None:
+            return g.Grammar.gbnf(*args, gbnf, *rest)
         return g.Grammar.regex(*args, regex, *rest)
 
     # -- generation -------------------------------------------------------------------------
@@ -293,6 +298,7 @@ class Generator:
         chat_template_kwargs: dict[str, Any] | None = None,
         cache_prompt: bool = True,
         domain: str | None = None,
+        hide_tokens: Collection[int] = (),
         _cancel: threading.Event | None = None,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are decided; the last chunk carries finish_reason and stats.
@@ -301,7 +307,10 @@ class Generator:
         pass), "pld" (prompt lookup, no draft needed), "lookahead" (no draft needed),
         "cascade" (the draft itself sped up by prompt lookup) or "auto".
         pipeline: overlap drafting with verification (chain only); None picks what is faster
-        for the draft backend. Every choice gives the same tokens for the same seed.
+        for the draft backend. With the same seed and settings the tokens are the same,
+        pipelined or not; another method or num_draft_tokens may use the random draws
+        differently (the same distribution, other samples); at temperature 0 every choice gives
+        the verifier's greedy tokens.
         cache_prompt: start from the longest prefix of the prompt whose KV the prompt cache
         holds (`stats["cached_tokens"]`), and keep this generation's KV there; the tokens are
         the same either way.
@@ -312,6 +321,8 @@ class Generator:
         tools, chat_template_kwargs: passed to the chat template (see `encode_prompt`).
         domain: the kind of request ("code", "chat", "math", ...) whose draft acceptance this
         generation counts towards (see `acceptance_drift`); None counts it in one default bucket.
+        hide_tokens: token ids whose text never appears in the chunks (special tokens, see
+        `Tokenizer.special_ids`); a stop string equal to one's text still ends the answer.
         Generations asked for from several threads (or while one is being read) wait their
         turn, first come first served, and each gives the tokens it would give alone.
         """
@@ -339,6 +350,7 @@ class Generator:
         if not ids:
             raise OndeviceError("the prompt is empty (it encodes to no tokens); pass some text.")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        hidden = frozenset(int(t) for t in hide_tokens)
         cancel = _cancel or threading.Event()
 
         # greedy chain drafts are what the bundle's acceptance baseline measured
@@ -358,7 +370,7 @@ class Generator:
                 started = False
                 try:
                     for chunk in self._cached_stream(
-                        dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket
+                        dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket, hidden
                     ):
                         started = True
                         yield chunk
@@ -395,7 +407,9 @@ class Generator:
         """fn() on the model's thread (it may touch the caches); its result or exception."""
         return self._thread().call(fn)
 
-    def _cached_stream(self, dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket):
+    def _cached_stream(
+        self, dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket, hidden
+    ):
         """`_stream` from the prompt cache's longest prefix of `ids`; afterwards the caches are
         kept there (or dropped when the generation failed mid-round)."""
         t = time.perf_counter()
@@ -408,7 +422,7 @@ class Generator:
         moves = draft.moves if draft is not None else 0
         emitted: list[int] = []
         consistent = True  # the caches hold whole rounds (a closed stream stops between them)
-        chunks = self._stream(dec, ids, max_tokens, stops, cancel)
+        chunks = self._stream(dec, ids, max_tokens, stops, cancel, hidden)
         try:
             for chunk in chunks:
                 emitted.extend(chunk.tokens)
@@ -555,9 +569,13 @@ class Generator:
             dec.skip_reason = "speculative=False"
         return dec
 
-    def _stream(self, dec, ids, max_tokens, stops, cancel):
-        detok = self.tokenizer.detokenizer()
-        return decode_chunks(dec, ids, max_tokens, stops, cancel, detok, self.draft_backend)
+    def _stream(self, dec, ids, max_tokens, stops, cancel, hidden=frozenset()):
+        detok = self.tokenizer.detokenizer(hidden)
+        # a hidden token whose text is a stop string still stops (Continue's FIM stop list)
+        stop_ids = {t for t in hidden if self.tokenizer.id_to_token(t) in stops}
+        return decode_chunks(
+            dec, ids, max_tokens, stops, cancel, detok, self.draft_backend, stop_ids
+        )
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         text, tokens = [], []

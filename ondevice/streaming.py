@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -52,9 +52,11 @@ def decode_chunks(
     cancel: threading.Event | None,
     detok: Any,
     draft_backend: str | None,
+    stop_ids: Collection[int] = (),
 ) -> Iterator[Chunk]:
     """Run `dec` on the prompt `ids` (resuming from the KV its engines hold) and yield a chunk
-    per token; the last chunk carries the finish reason and `generation_stats`."""
+    per token; the last chunk carries the finish reason and `generation_stats`. A token in
+    `stop_ids` stops like a stop string (for a hidden token whose text is one)."""
     matcher = StopMatcher(stops)
     tokens: list[int] = []
     mx.reset_peak_memory()
@@ -68,6 +70,8 @@ def decode_chunks(
             for tok, flag, lp in zip(rnd.tokens, rnd.from_draft, lps):
                 tokens.append(tok)
                 text, stopped = matcher.feed(detok.add([tok]))
+                if tok in stop_ids:  # its text is a stop string, hidden from the text
+                    text, stopped = text + matcher.flush(), True
                 # a stop string's text is never emitted
                 yield Chunk(text, [tok], flag, logprobs=None if lp is None else [lp])
                 if stopped:

@@ -106,8 +106,13 @@ def model_id(gen) -> str:
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
 
+def _served(server: LiveServer) -> dict:
+    """`generate`'s options for the text the server sends (special tokens hidden)."""
+    return {"hide_tokens": server.api.hidden_tokens}
+
+
 def test_chat_completion_matches_the_api(server, gen, model_id):
-    ref = gen.generate(MESSAGES, max_tokens=24, temperature=0.0)
+    ref = gen.generate(MESSAGES, max_tokens=24, temperature=0.0, **_served(server))
     resp = server.client().chat.completions.create(
         model=model_id, messages=MESSAGES, max_tokens=24, temperature=0
     )
@@ -125,7 +130,7 @@ def test_chat_completion_matches_the_api(server, gen, model_id):
 
 
 def test_chat_stream_format(server, gen, model_id):
-    ref = gen.generate(MESSAGES, max_tokens=20, temperature=0.0)
+    ref = gen.generate(MESSAGES, max_tokens=20, temperature=0.0, **_served(server))
     chunks = list(
         server.client().chat.completions.create(
             model=model_id,
@@ -164,7 +169,9 @@ def test_raw_stream_ends_with_done(server, model_id):
 
 def test_completions_whole_and_streamed(server, gen, model_id):
     client = server.client()
-    ref = gen.generate("Once upon", max_tokens=12, chat_template=False, temperature=0.0)
+    ref = gen.generate(
+        "Once upon", max_tokens=12, chat_template=False, temperature=0.0, **_served(server)
+    )
     resp = client.completions.create(
         model=model_id, prompt="Once upon", max_tokens=12, temperature=0
     )
@@ -192,7 +199,7 @@ def test_completions_whole_and_streamed(server, gen, model_id):
 
 
 def test_stop_strings_cut_across_token_boundaries(server, gen, model_id):
-    full = gen.generate(MESSAGES, max_tokens=40, temperature=0.0).text
+    full = gen.generate(MESSAGES, max_tokens=40, temperature=0.0, **_served(server)).text
     # Each character is its own token here, so a 3-character stop string spans 3 tokens.
     stop = full[10:13]
     expected = full[: full.index(stop)]
@@ -277,7 +284,7 @@ def _post(server: LiveServer, path: str, **kwargs) -> httpx.Response:
         ({"model": "MODEL", "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens", None),
         ({"model": "MODEL", "messages": MESSAGES, "max_tokens": "10"}, 400, "max_tokens", None),
         ({"model": "MODEL", "messages": MESSAGES, "max_tokens": 10**12}, 400, "max_tokens", "context_length_exceeded"),
-        ({"model": "MODEL", "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+        ({"model": "MODEL", "messages": MESSAGES, "stop": ["a", ""]}, 400, "stop", None),
         ({"model": "MODEL", "messages": MESSAGES, "top_p": 0}, 400, "top_p", None),
         ({"model": "MODEL", "messages": MESSAGES, "n": 2}, 400, None, None),
         ({"model": "MODEL", "messages": MESSAGES, "stream": "yes"}, 400, "stream", None),
@@ -311,7 +318,6 @@ def test_malformed_bodies_and_paths(server, model_id):
         (_post(server, "/v1/chat/completions", content=b"x" * (65 * 1024), headers=JSON), 413),
         (httpx.get(server.url + "/v1/chat/completions"), 405),
         (httpx.get(server.url + "/v2/nothing"), 404),
-        (httpx.get(server.url + "/v1/models/other"), 404),
     ]
     for r, status in cases:
         assert r.status_code == status, r.text
@@ -328,7 +334,7 @@ def test_malformed_bodies_and_paths(server, model_id):
     # The openai client turns these into its exception types.
     client = server.client()
     with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("nope")
+        client.with_options(base_url=server.url + "/v2").models.list()
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.completions.create(model=model_id, prompt="y" * (CONTEXT + 1))
     # ... and the server is still fine.
@@ -385,7 +391,7 @@ def test_queue_full_gives_429(server, model_id):
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_cancels_generation(server, gen, model_id, stream):
     """A client that goes away stops its generation; the model is then free and intact."""
-    ref = gen.generate(MESSAGES, max_tokens=30, temperature=0.0).text
+    ref = gen.generate(MESSAGES, max_tokens=30, temperature=0.0, **_served(server)).text
     body = {"model": model_id, "messages": MESSAGES, "max_tokens": LONG, "temperature": 0}
     if stream:
         with httpx.stream(

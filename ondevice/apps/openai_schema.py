@@ -3,7 +3,10 @@
 Types are strict (a string is not a number). Every field of OpenAI's chat and completions
 requests is either honoured or, when set to something the runtime cannot do (`n > 1`, audio,
 `echo`), refused with a message that names it; none is silently dropped (docs/openai.md has
-the table). Fields no OpenAI client sends are ignored, as OpenAI does.
+the table). Fields no OpenAI client sends are ignored, as OpenAI does. A null field is a field
+left out. llama.cpp's and Ollama's extension fields (`grammar`, `json_schema`, `cache_prompt`,
+`repeat_penalty`, `options`) are read as well: mapped onto this API's fields where the meaning
+is the same, refused by name where it is not.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def error_body(
 
 _UNION_HINTS = {
     "prompt": "a string, a list of one string, or a list of token ids",
-    "stop": "a non-empty string or a list of up to 4 non-empty strings",
+    "stop": "a non-empty string or a list of non-empty strings",
     "content": 'a string or a list of text parts ({"type": "text", "text": ...})',
 }
 
@@ -106,23 +109,27 @@ class JSONSchemaFormat(BaseModel):
 
 
 class ResponseFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
+    # llama.cpp's form: {"type": "json_object", "schema": {...}}
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
+        if self.type == "json_schema" and self.json_schema is None and self.schema_ is None:
             raise ValueError("type 'json_schema' needs a json_schema object with a 'schema'")
+        if self.type == "text" and self.schema_ is not None:
+            raise ValueError("type 'text' takes no 'schema'; use 'json_object' or 'json_schema'")
         return self
 
     def grammar_schema(self) -> dict[str, Any] | bool | None:
         """The JSON schema decoding is constrained to (True: any JSON object), or None."""
-        if self.type == "json_object":
-            return True
-        if self.type == "json_schema":
-            assert self.json_schema is not None
+        if self.type == "text":
+            return None
+        if self.json_schema is not None:
             return self.json_schema.schema_
-        return None
+        return True if self.schema_ is None else self.schema_
 
 
 # OpenAI request fields that this server refuses when set (the reason is sent back)
@@ -133,12 +140,67 @@ _REFUSED = {
     "web_search_options": "this server has no web search",
     "functions": "the deprecated 'functions' field is not supported; send 'tools'",
     "function_call": "the deprecated 'function_call' field is not supported; send 'tool_choice'",
-    "reasoning_effort": "this server has no reasoning-effort setting",
     "best_of": "only one completion per request is generated",
     "store": "this server keeps no completions for later retrieval",
     "verbosity": "this server has no verbosity setting",
     "reasoning": "this server has no reasoning settings",
 }
+
+
+# Every optional field may be null, meaning "as if left out" (the official client sends null
+# for a keyword given as None), except these, whose null has a meaning of its own (no limit).
+_NULL_IS_A_VALUE = frozenset({"max_tokens", "max_completion_tokens"})
+# required fields: a null there is a missing value, reported as such
+_REQUIRED = frozenset({"model", "messages", "prompt"})
+
+# Ollama's `options` object: the names it shares with this API (or with llama.cpp's), the value
+# that leaves an option without effect (accepted as such), and the rest refused by name.
+_OLLAMA_OPTIONS = {
+    "num_predict": "max_tokens",
+    **{n: n for n in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                      "presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n")},
+}  # fmt: skip
+_OLLAMA_NO_EFFECT = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0, "penalize_newline": False}
+
+
+def _from_extensions(data: dict[str, Any]) -> dict[str, Any]:
+    """The request body with null fields left out and Ollama's `options` and llama.cpp's
+    `repeat_penalty` turned into this API's fields (or refused, by name)."""
+    data = {k: v for k, v in data.items() if v is not None or k in _NULL_IS_A_VALUE | _REQUIRED}
+    options = data.pop("options", None)
+    if options is not None:
+        if not isinstance(options, dict):
+            raise ValueError("'options' (Ollama's) must be an object")
+        for name, value in options.items():
+            if value is None:
+                continue
+            if name in _OLLAMA_OPTIONS:
+                target = _OLLAMA_OPTIONS[name]
+                if target == "max_tokens" and value in (-1, -2):  # Ollama: until the context
+                    value = None
+                data.setdefault(target, value)  # the request's own field wins
+            elif name in _OLLAMA_NO_EFFECT and value == _OLLAMA_NO_EFFECT[name]:
+                continue
+            elif name == "num_ctx":
+                data.setdefault("num_ctx", value)  # checked against the context by the server
+            else:
+                raise ValueError(f"Ollama's option 'options.{name}' is not supported")
+    penalty = data.pop("repeat_penalty", None)
+    last_n = data.pop("repeat_last_n", None)
+    for name, value in (("repeat_penalty", penalty), ("repeat_last_n", last_n)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"'{name}' must be a number")
+    if penalty is not None and penalty != 1.0 and last_n != 0:
+        # llama.cpp's rule is the CTRL rule of `repetition_penalty`, but over the last
+        # `repeat_last_n` tokens (default 64); -1 is the whole context, which is this rule.
+        if last_n != -1:
+            raise ValueError(
+                "'repeat_penalty' penalises only the last 'repeat_last_n' tokens (64 unless "
+                "given) in llama.cpp, a rule this server does not have: send repeat_last_n: -1 "
+                "(the whole context), or 'repetition_penalty', which covers prompt and answer"
+            )
+        data.setdefault("repetition_penalty", penalty)
+    return data
 
 
 # request fields passed to `Generator.stream` as they are
@@ -157,7 +219,7 @@ class _Request(BaseModel):
     # OpenAI's default temperature is 1; clients that want greedy decoding send 0.
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = None
+    stop: NonEmpty | list[NonEmpty] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -175,6 +237,17 @@ class _Request(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     num_draft_tokens: int | None = Field(default=None, ge=1, le=64)
     speculative: bool = True
+    # llama.cpp's extensions: a GBNF (or Lark) grammar, a JSON schema, prompt caching
+    grammar: NonEmpty | None = None
+    json_schema: dict[str, Any] | None = None
+    cache_prompt: bool = True
+    # Ollama's options.num_ctx: accepted when the model's context holds it
+    num_ctx: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _extensions(cls, data: Any) -> Any:
+        return _from_extensions(data) if isinstance(data, dict) else data
 
     @field_validator("logit_bias")
     @classmethod
@@ -192,6 +265,11 @@ class _Request(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         extra = self.model_extra or {}
+        given = [n for n in ("grammar", "json_schema") if getattr(self, n) is not None]
+        if self.response_format is not None and self.response_format.grammar_schema() is not None:
+            given.append("response_format")
+        if len(given) > 1:
+            raise ValueError(f"give one of {' and '.join(given)}: each constrains the answer")
         for name, why in _REFUSED.items():
             if extra.get(name) not in (None, False, [], {}) and extra.get(name) != ["text"]:
                 raise ValueError(f"'{name}' is not supported: {why}")
@@ -201,6 +279,18 @@ class _Request(BaseModel):
         """Keyword arguments of `Generator.stream` that shape the distribution."""
         bias = {int(k): v for k, v in (self.logit_bias or {}).items()} or None
         return {**{name: getattr(self, name) for name in _SAMPLING_FIELDS}, "logit_bias": bias}
+
+    def grammar_spec(self) -> tuple[str, dict[str, Any]] | None:
+        """(the field that asked, `Generator.grammar`'s keyword arguments) of the grammar
+        that constrains the answer, or None."""
+        if self.grammar is not None:
+            return "grammar", {"gbnf": self.grammar}
+        if self.json_schema is not None:
+            return "json_schema", {"json_schema": self.json_schema}
+        if self.response_format is not None:
+            schema = self.response_format.grammar_schema()
+            return None if schema is None else ("response_format", {"json_schema": schema})
+        return None
 
     def stop_list(self) -> list[str] | None:
         if self.stop is None:
@@ -289,6 +379,8 @@ class ChatCompletionRequest(_Request):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # passed to the chat template, which may read it (gpt-oss's does); otherwise no effect
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # keyword arguments for the chat template (vLLM's and llama.cpp's name), e.g.
     # {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
@@ -305,9 +397,10 @@ class ChatCompletionRequest(_Request):
         name = self.forced_tool()[1]
         if name is not None and name not in {t.function.name for t in self.tools or ()}:
             raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
-        if self.forced_tool()[0] and self.response_format is not None:
+        constrained = self.grammar_spec()
+        if self.forced_tool()[0] and constrained is not None:
             raise ValueError("tool_choice 'required' or a named function cannot be combined "
-                             "with response_format")  # fmt: skip
+                             f"with {constrained[0]}")  # fmt: skip
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if self.max_completion_tokens is not None:
@@ -354,8 +447,6 @@ class CompletionRequest(_Request):
     def _completion_supported(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
         return self
 
     def logprobs_count(self) -> int | None:
@@ -422,11 +513,14 @@ def _piece(tokenizer: Any, token: int) -> tuple[str, list[int]]:
     return text, list(text.encode("utf-8"))
 
 
-def chat_logprobs(tokenizer: Any, logprobs: list[Any]) -> dict[str, Any]:
-    """OpenAI's chat `logprobs` object from `TokenLogprob`s."""
+def chat_logprobs(
+    tokenizer: Any, logprobs: list[Any], hidden: frozenset[int] = frozenset()
+) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` object from `TokenLogprob`s. A token in `hidden` (left out of
+    the text) is reported with empty text, so the tokens still spell the text."""
     content = []
     for lp in logprobs:
-        text, raw = _piece(tokenizer, lp.token)
+        text, raw = ("", []) if lp.token in hidden else _piece(tokenizer, lp.token)
         top = []
         for t, v in lp.top:
             tt, tb = _piece(tokenizer, t)
@@ -435,12 +529,14 @@ def chat_logprobs(tokenizer: Any, logprobs: list[Any]) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(tokenizer: Any, logprobs: list[Any], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Any, logprobs: list[Any], offset: int = 0, hidden: frozenset[int] = frozenset()
+) -> dict[str, Any]:
     """The legacy completions `logprobs` object (tokens, token_logprobs, top_logprobs,
-    text_offset)."""
+    text_offset); a token in `hidden` has empty text, as in `chat_logprobs`."""
     tokens, values, tops, offsets = [], [], [], []
     for lp in logprobs:
-        text, _ = _piece(tokenizer, lp.token)
+        text = "" if lp.token in hidden else _piece(tokenizer, lp.token)[0]
         tokens.append(text)
         values.append(lp.logprob)
         tops.append({_piece(tokenizer, t)[0]: v for t, v in lp.top})

@@ -64,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="NAME",
         help="also answer requests for this Host name (default on loopback: 127.0.0.1, "
-        "localhost, ::1 only; other addresses answer any name unless this is given)",
+        "localhost, ::1 and the container host names host.docker.internal, "
+        "host.containers.internal; other addresses answer any name unless this is given)",
     )
     p.add_argument(
         "--allow-origin",
@@ -222,4 +223,6 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
+    finally:
+        sock.close()
     return 0

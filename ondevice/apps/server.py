@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from ondevice.apps import reasoning, tool_calls
 from ondevice.apps.openai_schema import (
     APIError,
     ChatCompletionRequest,
@@ -108,12 +109,24 @@ class OpenAIServer:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         # values for request fields a request leaves out (`ondevice serve --temp ...`)
         self.request_defaults = dict(request_defaults or {})
+        tok = gen.tokenizer
+        # special tokens (<|im_start|>, <|endoftext|>, ...) never reach `content`; the markers
+        # the server reads (tool calls, thinking) stay
+        markers = (tool_calls.OPEN, tool_calls.CLOSE, reasoning.OPEN, reasoning.CLOSE)
+        self.hidden_tokens = tok.special_ids(keep=markers) - tok.eos_token_ids
+        # thinking is split from the answer for vocabularies that have the tags
+        self.reasoning = all(
+            _token_id(tok, t) is not None for t in (reasoning.OPEN, reasoning.CLOSE)
+        )
         self.metrics = Metrics()
         self.slot = ModelSlot(gen, max_queue, self.metrics)
         self.created = int(time.time())
         table = [
             ("/v1/chat/completions", self.chat, "POST", True),
             ("/v1/completions", self.completions, "POST", True),
+            # without /v1, as mlx-lm's and llama.cpp's servers also answer
+            ("/chat/completions", self.chat, "POST", True),
+            ("/completions", self.completions, "POST", True),
             ("/v1/models", self.models, "GET", True),
             ("/v1/models/{model_id:path}", self.model, "GET", True),
             ("/health", self.health, "GET", False),  # for probes: open even with --api-key
@@ -184,7 +197,7 @@ class OpenAIServer:
         status = exc.status_code
         if status == 404:
             msg = f"Unknown path {request.url.path}. This server offers /v1/chat/completions, "
-            msg += "/v1/completions, /v1/models, /health and /metrics."
+            msg += "/v1/completions (also without /v1), /v1/models, /health and /metrics."
         elif status == 405:
             msg = f"Method {request.method} is not allowed on {request.url.path}."
         else:
@@ -318,23 +331,33 @@ class OpenAIServer:
     async def _options(
         self, request: Request, req: Any, prompt: Any, chat_template: bool
     ) -> dict[str, Any]:
-        """Generation keyword arguments; checks the prompt and max_tokens against the context."""
+        """Generation keyword arguments; checks the prompt and max_tokens against the context.
+        The result also holds `thinking` for `Shape` (the caller takes it out): None when no
+        thinking is split, else whether the prompt already opened a <think> block."""
         context = self.gen.context_length
         where = "messages" if chat_template else "prompt"
         # the chat template's inputs besides the messages: tools, keyword arguments (the
         # server's --chat-template-args, overridden per request)
         tools = req.tool_list() if isinstance(req, ChatCompletionRequest) else None
         kwargs = {**self.chat_template_kwargs, **(getattr(req, "chat_template_kwargs", None) or {})}
+        if getattr(req, "reasoning_effort", None) is not None:  # for templates that read it
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         chat = {"tools": tools, "template_kwargs": kwargs or None}
 
         cancel = threading.Event()  # set when the client leaves
+        opened = False  # the prompt ends with <think>: the answer starts thinking
 
         def count() -> int | None:
+            nonlocal opened
             texts = _prompt_texts([prompt, tools, kwargs])
             if _surely_too_long(self.gen.tokenizer, texts, context):
                 return None
             with render_limit(self._render_bound(prompt, tools, kwargs), cancel):
-                return self.gen.count_tokens(prompt, chat_template=chat_template, **chat)
+                ids = self.gen.encode_prompt(prompt, chat_template, **chat)
+            if self.reasoning and chat_template:
+                tail = self.gen.tokenizer.decode(ids[-4:])
+                opened = tail.rstrip().endswith(reasoning.OPEN)
+            return len(ids)
 
         async def counted() -> int | None:
             try:  # a rendering left behind stops at its next piece of output
@@ -345,17 +368,15 @@ class OpenAIServer:
                 cancel.set()
 
         n_prompt = await until_disconnect(request, counted())
-        grammar, spec = None, {}
-        if req.response_format is not None:
-            spec = {"json_schema": req.response_format.grammar_schema()}
+        grammar, constrained = None, req.grammar_spec()
         if tools and req.forced_tool()[0]:  # the answer must be one call: a grammar says so
-            spec = {"lark": tool_call_grammar(tools, req.forced_tool()[1])}
-        if spec.get("json_schema", spec.get("lark")) is not None:
+            constrained = "tool_choice", {"lark": tool_call_grammar(tools, req.forced_tool()[1])}
+        if constrained is not None:
+            param, spec = constrained
             try:  # the first grammar of a model also reads its vocabulary (~0.5 s)
                 grammar = await anyio.to_thread.run_sync(lambda: self.gen.grammar(**spec))
             except OndeviceError as e:
-                param = "tool_choice" if "lark" in spec else "response_format"
-                raise APIError(400, str(e), param=param) from None
+                raise APIError(400, f"{param}: {e}", param=param) from None
         if n_prompt is None:
             raise APIError(
                 400,
@@ -373,6 +394,13 @@ class OpenAIServer:
                 f"has {n_prompt} tokens. Shorten the prompt.",
                 param=where,
                 code="context_length_exceeded",
+            )
+        if req.num_ctx is not None and req.num_ctx > context:
+            raise APIError(
+                400,
+                f"options.num_ctx {req.num_ctx} is more than this model's context ({context} "
+                "tokens), which is fixed when it is loaded.",
+                param="options.num_ctx",
             )
         given = req.model_fields_set
         defaults = {k: v for k, v in self.request_defaults.items() if k not in given}
@@ -392,7 +420,12 @@ class OpenAIServer:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        stop = req.stop_list()
+        if tools and not getattr(req, "parallel_tool_calls", True):
+            # one call at most: the answer ends with the first call's closing tag
+            stop = [*(stop or ()), tool_calls.CLOSE]
         return {
+            "thinking": (opened if self.reasoning and chat_template else None),
             "max_tokens": max_tokens,
             **req.sampling(),
             "logprobs": req.logprobs_count(),
@@ -401,8 +434,10 @@ class OpenAIServer:
             "grammar": grammar,
             "num_draft_tokens": req.num_draft_tokens,
             "speculative": req.speculative,
-            "stop": req.stop_list(),
+            "stop": stop,
             "chat_template": chat_template,
+            "cache_prompt": req.cache_prompt,
+            "hide_tokens": self.hidden_tokens,
             **defaults,  # the server's values for fields this request left out
         }
 
@@ -415,18 +450,52 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         req = self._parse(CompletionRequest, await self._json_body(request))
-        return await self._generate(request, req, req.prompt_value(), chat=False)
+        prompt = req.prompt_value()
+        if req.suffix is not None:
+            prompt = self._fill_in_the_middle(prompt, req.suffix)
+            # the middle ends where the model writes end-of-text or another FIM marker (not
+            # every GGUF file counts <|endoftext|> as an end-of-sequence token)
+            req.stop = [*(req.stop_list() or ()), *FIM_ENDS]
+        return await self._generate(request, req, prompt, chat=False)
+
+    def _fill_in_the_middle(self, prompt: str | list[int], suffix: str) -> list[int]:
+        """The prompt in the model's fill-in-the-middle form (prefix, suffix, then the middle
+        the model writes), built from its FIM tokens; 400 if its vocabulary has none."""
+        tok = self.gen.tokenizer
+        for names in FIM_TOKENS:
+            ids = [_token_id(tok, name) for name in names]
+            if all(i is not None for i in ids):
+                break
+        else:
+            raise APIError(
+                400,
+                "'suffix' (fill in the middle) needs a model trained for it, whose vocabulary "
+                "has FIM tokens (such as <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>); this "
+                "one has none. Use a code model such as Qwen2.5-Coder, or leave suffix out.",
+                param="suffix",
+            )
+        pre, suf, mid = ids
+        head = prompt if isinstance(prompt, list) else tok.encode(prompt, add_special_tokens=False)
+        bos = [tok.bos_token_id] if tok.add_bos_token and tok.bos_token_id is not None else []
+        tail = tok.encode(suffix, add_special_tokens=False)
+        return [*bos, pre, *head, suf, *tail, mid]  # type: ignore[list-item]
 
     async def _generate(self, request: Request, req: Any, prompt: Any, chat: bool) -> Response:
         options = await self._options(request, req, prompt, chat_template=chat)
         options["domain"] = _domain(request)
+        thinking = options.pop("thinking")
+        tools = options.get("tools") or ()
+        parallel = getattr(req, "parallel_tool_calls", True)
         shape = Shape(
             chat=chat,
             id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
             created=int(time.time()),
             model=self.model_id,
             tokenizer=self.gen.tokenizer if options.get("logprobs") is not None else None,
-            tools=frozenset(t["function"]["name"] for t in options.get("tools") or ()),
+            hidden=self.hidden_tokens,
+            tools=frozenset(t["function"]["name"] for t in tools),
+            max_calls=None if parallel else 1,
+            thinking=thinking,
         )
         run = self.slot.start(prompt, options)
         if req.stream:
@@ -442,18 +511,13 @@ class OpenAIServer:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: Request) -> Response:
-        if request.path_params["model_id"] != self.model_id:
-            raise APIError(
-                404,
-                f"The model '{request.path_params['model_id']}' does not exist on this server.",
-                param="model",
-                code="model_not_found",
-            )
-        return JSONResponse(self._model_card())
+        # any name reaches the one served model (as requests do); `root` names that model
+        return JSONResponse(self._model_card(request.path_params["model_id"]))
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_card(self, name: str | None = None) -> dict[str, Any]:
         return {
-            "id": self.model_id,
+            "id": name or self.model_id,
+            "root": self.model_id,
             "object": "model",
             "created": self.created,
             "owned_by": "ondevice",
@@ -487,6 +551,26 @@ def _domain(request: Request) -> str | None:
         return check_domain(value)
     except OndeviceError as e:
         raise APIError(400, f"header {DOMAIN_HEADER}: {e}", param=DOMAIN_HEADER) from None
+
+
+# Fill-in-the-middle token sets, (prefix, suffix, middle), in prefix-suffix-middle order:
+# Qwen2.5-Coder's, StarCoder's, DeepSeek-Coder's.
+FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),
+)
+# Where a filled-in middle ends: end-of-text and file markers, and any FIM marker.
+FIM_ENDS = (
+    "<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<file_sep>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", *(t for names in FIM_TOKENS for t in names),
+)  # fmt: skip
+
+
+def _token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of the one token whose text is `text` (an added token), or None."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 and tokenizer.decode(ids) == text else None
 
 
 def _prompt_texts(value: Any) -> list[str]:

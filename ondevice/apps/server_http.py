@@ -25,8 +25,15 @@ if TYPE_CHECKING:
     from ondevice.apps.server import OpenAIServer
 
 # Names a loopback server answers to by default. A browser sends the name it resolved, so a page
-# on attacker.example whose DNS later points at 127.0.0.1 (DNS rebinding) is refused.
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# on attacker.example whose DNS later points at 127.0.0.1 (DNS rebinding) is refused. Besides
+# loopback: the names a container uses for its host (Docker's and Podman's), which no public DNS
+# resolves, so that a web UI in a container (Open WebUI's documented setup) reaches the server.
+LOOPBACK_HOSTS = (
+    "127.0.0.1", "localhost", "::1", "host.docker.internal", "host.containers.internal",
+)  # fmt: skip
+# Schemes of app pages (not web sites) allowed as origins by default, as Ollama does: editor
+# webviews, Tauri and Electron apps, local files opened by an app. A web page cannot claim them.
+APP_ORIGIN_SCHEMES = ("vscode-webview", "vscode-file", "tauri", "app", "file")
 # Seconds a client has to send a request head, and then its body; a slow client is cut off.
 DEFAULT_READ_TIMEOUT = 30.0
 # The largest request head (request line and headers) served; a longer one gets 431.
@@ -103,6 +110,8 @@ def _origin_allowed(origin: str, allowed_hosts: set[str] | None, allowed_origins
     if "*" in allowed_origins or origin in allowed_origins:
         return True
     parts = urlsplit(origin)
+    if parts.scheme in APP_ORIGIN_SCHEMES:
+        return True
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return False  # "null" (sandboxed frames, file://) and anything odd
     # Pages served from a name this server answers to (a local web UI) may use it.

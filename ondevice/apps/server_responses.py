@@ -14,6 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 
 from ondevice.apps.openai_schema import APIError, chat_logprobs, completion_logprobs
+from ondevice.apps.reasoning import ReasoningStream
 from ondevice.apps.server_http import api_error
 from ondevice.apps.server_queue import Run
 from ondevice.apps.tool_calls import ToolCall, ToolCallStream
@@ -94,15 +95,31 @@ class Shape:
     created: int
     model: str
     tokenizer: Any = None  # set when the request asked for logprobs
+    hidden: frozenset[int] = frozenset()  # token ids left out of the text
     # the names of the tools the request offered: tool calls in the text become tool_calls
     tools: frozenset[str] = frozenset()
+    max_calls: int | None = None  # 1 for parallel_tool_calls: false
+    # split <think>...</think> into reasoning_content: None (no), False (if the answer opens
+    # with <think>), True (the prompt opened it)
+    thinking: bool | None = None
+
+    def _parsers(self) -> tuple[ReasoningStream | None, ToolCallStream | None]:
+        thoughts = ReasoningStream(self.thinking) if self.thinking is not None else None
+        return thoughts, ToolCallStream(self.tools) if self.tools else None
+
+    def _calls(self, parser: ToolCallStream | None, calls: list[ToolCall]) -> list[ToolCall]:
+        """`calls` found now, but none beyond `max_calls` in the whole answer."""
+        if parser is None or self.max_calls is None:
+            return calls
+        room = max(self.max_calls - (len(parser.calls) - len(calls)), 0)
+        return calls[:room]
 
     def _logprobs(self, logprobs: list[Any], offset: int = 0) -> dict[str, Any] | None:
         if self.tokenizer is None:
             return None
         if self.chat:
-            return chat_logprobs(self.tokenizer, logprobs)
-        return completion_logprobs(self.tokenizer, logprobs, offset)
+            return chat_logprobs(self.tokenizer, logprobs, self.hidden)
+        return completion_logprobs(self.tokenizer, logprobs, offset, self.hidden)
 
     def _envelope(self, choices: list[dict[str, Any]], streamed: bool) -> dict[str, Any]:
         if self.chat:
@@ -132,13 +149,20 @@ class Shape:
     def response(self, text: str, last: Chunk, logprobs: list[Any]) -> dict[str, Any]:
         stats = last.stats or {}
         calls: list[ToolCall] = []
-        if self.tools:
-            parser = ToolCallStream(self.tools)
+        thoughts, parser = self._parsers()
+        reasoning = ""
+        if thoughts is not None:
+            reasoning, head = thoughts.feed(text)
+            more, tail = thoughts.flush()
+            reasoning, text = reasoning + more, head + tail
+        if parser is not None:
             head, _ = parser.feed(text)
             tail, _ = parser.flush()
-            text, calls = head + tail, parser.calls
+            text, calls = head + tail, self._calls(parser, parser.calls)
         finish = "tool_calls" if calls else _finish(last)
         choice = self._choice(text if text or not calls else None, finish, streamed=False)
+        if reasoning:
+            choice["message"]["reasoning_content"] = reasoning
         if calls:
             choice["message"]["tool_calls"] = [c.as_openai() for c in calls]
         choice["logprobs"] = self._logprobs(logprobs)
@@ -153,27 +177,38 @@ class Shape:
             yield sse(self._envelope([self._choice("", None, True, role=True)], True) | usage_field)
         offset = 0  # characters sent so far (completions' text_offset)
         lps: list[Any] = []
-        parser = ToolCallStream(self.tools) if self.tools else None
+        thoughts, parser = self._parsers()
+        sent_calls = 0
         try:
             async for chunks in run.batches():
                 events = []
                 text = "".join(c.text for c in chunks)
+                ended = chunks[-1].finish_reason is not None
+                reasoning = ""
+                if thoughts is not None:
+                    reasoning, text = thoughts.feed(text)
+                    if ended:
+                        more, tail = thoughts.flush()
+                        reasoning, text = reasoning + more, text + tail
                 calls: list[ToolCall] = []
                 if parser is not None:
                     text, calls = parser.feed(text)
-                    if chunks[-1].finish_reason is not None:
-                        rest, more = parser.flush()
-                        text, calls = text + rest, calls + more
+                    if ended:
+                        rest, more_calls = parser.flush()
+                        text, calls = text + rest, calls + more_calls
+                    calls = self._calls(parser, calls)
                 # a token may complete no text yet (half a character): its logprob waits
                 lps += [lp for c in chunks for lp in c.logprobs or ()]
-                if text:
-                    choice = self._choice(text, None, True)
+                if text or reasoning:
+                    choice = self._choice(text or None, None, True)
+                    if reasoning:
+                        choice["delta"]["reasoning_content"] = reasoning
                     choice["logprobs"] = self._logprobs(lps, offset)
                     lps = []
                     offset += len(text)
                     delta = self._envelope([choice], True)
                     events.append(sse(delta | usage_field))
-                first = len(parser.calls) - len(calls) if parser is not None else 0
+                first, sent_calls = sent_calls, sent_calls + len(calls)
                 for n, call in enumerate(calls, first):  # each call whole, in one delta
                     choice = self._choice(None, None, True)
                     choice["delta"]["tool_calls"] = [call.as_openai(index=n)]
@@ -181,7 +216,7 @@ class Shape:
                 last = chunks[-1]
                 if last.finish_reason is not None:
                     stats = last.stats or {}
-                    finish = "tool_calls" if parser is not None and parser.calls else _finish(last)
+                    finish = "tool_calls" if sent_calls else _finish(last)
                     final = self._envelope([self._choice(None, finish, True)], True)
                     final["ondevice"] = stats
                     events.append(sse(final | usage_field))

@@ -114,7 +114,7 @@ class ToolCallStream:
             if not self._inside:
                 i = self._buf.find(OPEN)
                 if i < 0:
-                    keep = _partial_suffix(self._buf, OPEN)
+                    keep = partial_suffix(self._buf, OPEN)
                     content.append(self._buf[: len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep :]
                     break
@@ -186,7 +186,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None) -> s
     return f'start: "{OPEN}\\n" ({calls}) "\\n{CLOSE}"\n' + "\n".join(rules)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

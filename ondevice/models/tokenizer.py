@@ -203,8 +203,14 @@ class Tokenizer:
             )
         return self._hf
 
-    def detokenizer(self) -> StreamingDetokenizer:
-        return StreamingDetokenizer(self)
+    def special_ids(self, keep: Sequence[str] = ()) -> frozenset[int]:
+        """Ids of the special tokens (control tokens, e.g. <|im_start|>, <|endoftext|>), but
+        those whose text is in `keep` (markers a caller reads, e.g. <tool_call>)."""
+        added = self._tok.get_added_tokens_decoder()
+        return frozenset(i for i, t in added.items() if t.special and t.content not in keep)
+
+    def detokenizer(self, hidden: frozenset[int] = frozenset()) -> StreamingDetokenizer:
+        return StreamingDetokenizer(self, hidden)
 
     # -- pair compatibility --------------------------------------------------------------------
 
@@ -360,11 +366,12 @@ class StreamingDetokenizer:
     """Turns a growing list of ids into text pieces with `tokenizers`' `DecodeStream`, which
     decodes only the last few tokens per step (linear in the answer's length; decoding the
     whole answer again per token was quadratic), keeps SentencePiece's leading spaces right
-    and holds back incomplete UTF-8 sequences."""
+    and holds back incomplete UTF-8 sequences. Tokens in `hidden` add no text."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, hidden: frozenset[int] = frozenset()) -> None:
         self._tok = tokenizer
         self._stream = DecodeStream(skip_special_tokens=False)
+        self._hidden = hidden
         self._ids: list[int] = []
         self.text = ""  # everything emitted so far
 
@@ -372,6 +379,8 @@ class StreamingDetokenizer:
         """Append ids and return the newly completed text."""
         new = []
         for i in ids:
+            if i in self._hidden:
+                continue
             self._ids.append(i)
             piece = self._stream.step(self._tok._tok, i)
             if piece:

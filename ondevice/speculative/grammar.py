@@ -83,6 +83,7 @@ class Grammar:
         self.tokenizer, self.grammar = tokenizer, grammar
         self.vocab = vocab
         self.eos = np.array(sorted(eos_ids), dtype=np.int64)
+        self.start().allowed(())  # a grammar no token can begin fails here, not mid-answer
 
     @classmethod
     def json_schema(cls, tokenizer: Any, schema: dict | bool, vocab: int, eos_ids) -> Grammar:
@@ -99,6 +100,17 @@ class Grammar:
     @classmethod
     def lark(cls, tokenizer: Any, grammar: str, vocab: int, eos_ids) -> Grammar:
         return cls(tokenizer, _llguidance().LLMatcher.grammar_from_lark(grammar), vocab, eos_ids)
+
+    @classmethod
+    def gbnf(cls, tokenizer: Any, grammar: str, vocab: int, eos_ids) -> Grammar:
+        """llama.cpp's GBNF (a text already in Lark syntax is taken as it is)."""
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            lark = any_to_lark(grammar)
+        except Exception as e:  # the converter raises bare exceptions for bad input
+            raise GrammarError(f"the GBNF grammar cannot be read: {e}") from None
+        return cls.lark(tokenizer, lark, vocab, eos_ids)
 
     @classmethod
     def regex(cls, tokenizer: Any, pattern: str, vocab: int, eos_ids) -> Grammar:
@@ -162,4 +174,13 @@ class GrammarState:
             mask = np.concatenate([mask, np.zeros(self.g.vocab - len(mask), bool)])
         if mask[self.g.eos].any():  # the grammar may end here: any end-of-sequence id may
             mask[self.g.eos] = True
+        elif not any(m.validate_tokens([int(t)]) == 1 for t in np.flatnonzero(mask)):
+            # llguidance's mask may offer tokens it then refuses (an unknown-token id, a
+            # special); with none that it takes, decoding would run to max_tokens in vain
+            text = self.g.tokenizer.decode_bytes(list(key)).decode("utf-8", "replace")
+            raise GrammarError(
+                "no token of this model's vocabulary can continue the grammar"
+                + (f" after {text!r}" if key else "")
+                + ": it asks for text the vocabulary cannot write."
+            )
         return mask
