@@ -13,6 +13,9 @@ import tiny
 import ondevice
 from ondevice.models import load_model
 from ondevice.runtime import kernel
+from ondevice.runtime.engines import MLXEngine, TimedEngine
+from ondevice.speculative.decoder import SpeculativeDecoder
+from ondevice.speculative.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(
     not kernel.available(), reason=f"no CPU kernel here: {kernel.status().get('reason')}"
@@ -69,7 +72,7 @@ def test_a_rows_logits_do_not_depend_on_the_pass_size(tmp_path, arch, tie, kind)
 def served_pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("kpair")
     v = tiny.write_model(d / "v", layers=2, scale=1.5)
-    return v, tiny.perturbed_copy(v, d / "d", noise=0.5)
+    return v, tiny.perturbed_copy(v, d / "d", noise=0.1)
 
 
 def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, monkeypatch):
@@ -94,3 +97,27 @@ def test_a_bad_choice_is_named(monkeypatch):
     monkeypatch.setenv(kernel.ENV, "fast")
     with pytest.raises(ValueError, match="ONDEVICE_KERNEL='fast'"):
         kernel.choice()
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_the_draft_catches_up_in_one_call_per_round_where_it_is_batch_invariant(
+    served_pair, served
+):
+    v, d = (load_model(p, dequantize=True).model for p in served_pair)
+    if served:
+        kernel.serve(v, "f32")
+        kernel.serve(d, "f32")
+    draft = TimedEngine(MLXEngine(d))
+    assert draft.batch_invariant is served
+    greedy = SamplingParams(temperature=0.0)
+    dec = SpeculativeDecoder(MLXEngine(v), draft, greedy, num_draft_tokens=1)
+    rounds = list(dec.run([5, 9, 14, 3, 22, 7], 24))
+    full = sum(r.accepted == r.drafted == 1 for r in rounds)
+    assert full > 0  # rounds that catch up on two tokens: the accepted draft and the bonus
+    # one call to prefill, then per drafting round one (batch-invariant) or one per token
+    # caught up (two after a fully accepted block: its last draft and the bonus token)
+    calls = 1 + sum(r.drafted > 0 for r in rounds)
+    assert draft.calls == calls if served else draft.calls > calls
+    plain = SpeculativeDecoder(MLXEngine(v), None, greedy)
+    tokens = [t for r in rounds for t in r.tokens]
+    assert tokens == [t for r in plain.run([5, 9, 14, 3, 22, 7], 24) for t in r.tokens]

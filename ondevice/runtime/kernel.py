@@ -42,6 +42,9 @@ ENV = "ONDEVICE_KERNEL"
 CHOICES = ("auto", "bf16", "f32", "mlx")
 DIST = "onednn-cpu-gomp"  # oneDNN's CPU build with GNU OpenMP: needs only libgomp
 ROWS = 16  # every product runs at this many rows (see "Batch invariance" above)
+# Products with fewer weights than this run on one thread: for them an OpenMP fork/join costs
+# more than the product, and far more on a loaded machine, where a preempted worker stalls it.
+ONE_THREAD_BELOW = 1 << 20
 
 # oneDNN C API constants (dnnl_types.h, oneDNN 3.x)
 _F32, _BF16 = 3, 2  # dnnl_data_type_t
@@ -88,6 +91,11 @@ class _Plan:
     def __init__(self, dnnl: _OneDNN, K: int, N: int, dtype: int, bias: bool, rows: int = ROWS):
         lib = dnnl.lib
         self.lib, self.stream = lib, dnnl.stream
+        # OpenMP's thread count is per calling thread: set it for the creation (oneDNN sizes
+        # its blocking by it) and for every run of this plan.
+        self.threads = 1 if K * N < ONE_THREAD_BELOW else dnnl.max_threads
+        self.set_threads = dnnl.set_threads
+        self.set_threads(self.threads)
         np_dtype = np.uint16 if dtype == _BF16 else np.float32
         self.src = np.zeros((rows, K), np_dtype)
         self.dst = np.zeros((rows, N), np.float32)
@@ -132,6 +140,7 @@ class _Plan:
 
     def run(self, weight_ptr: int, bias_ptr: int | None) -> None:
         lib = self.lib
+        self.set_threads(self.threads)
         lib.dnnl_memory_set_data_handle(self.wei, weight_ptr)
         if self.bias is not None:
             lib.dnnl_memory_set_data_handle(self.bias, bias_ptr)
@@ -174,6 +183,10 @@ class _OneDNN:
         # flags 0: the default stream (in-order; execution on the CPU returns when done)
         self.check(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, 1), "stream")
         self._local = threading.local()
+        omp = ctypes.CDLL("libgomp.so.1")  # oneDNN's OpenMP runtime, already loaded with it
+        self.set_threads = omp.omp_set_num_threads
+        self.set_threads.argtypes, self.set_threads.restype = [ctypes.c_int], None
+        self.max_threads = int(omp.omp_get_max_threads())
 
     @staticmethod
     def check(status: int, what: str) -> None:
@@ -315,6 +328,11 @@ class KernelEmbedding(KernelLinear):
 
     def as_linear(self, x: mx.array) -> mx.array:
         return KernelLinear.__call__(self, x)
+
+
+def serves(model: nn.Module) -> bool:
+    """Whether `serve` swapped this model's products for the kernel."""
+    return any(isinstance(m, KernelLinear) for _, m in model.named_modules())
 
 
 def serve(model: nn.Module, kind: str | None = None) -> str:

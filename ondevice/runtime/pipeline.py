@@ -19,7 +19,7 @@ How the two engines run at once, with a single Python thread driving both:
 - A verifier that is not MLX runs its passes in one worker thread instead.
 
 Exactness: the decisions come from the same `TokenChooser` as the sequential decoder (greedy,
-or sampling with noise keyed by (seed, position)), the draft is fed one token at a time as there,
+or sampling with noise keyed by (seed, position)), the draft catches up as there (`catch_up`),
 and block lengths follow the same token-only `DraftLength` schedule whenever they can change
 the output. So with a seed the tokens equal the sequential decoder's, however the two engines'
 timings interleave. Only under greedy decoding, where the block length cannot change the output,
@@ -43,7 +43,7 @@ import numpy as np
 
 from ondevice.runtime import threads
 from ondevice.runtime.costmodel import CostModel
-from ondevice.speculative.decoder import ChainDecoder, block_length
+from ondevice.speculative.decoder import ChainDecoder, block_length, catch_up
 from ondevice.speculative.decoding import Round, Step
 from ondevice.speculative.engine import Engine, prefill
 from ondevice.speculative.sampling import SamplingParams
@@ -231,19 +231,16 @@ class PipelinedDecoder(ChainDecoder):
 
     def _draft_step(self, ahead: bool = False) -> None:
         """Draft one more token at the end of the chain (after catching up on what the draft's
-        cache lacks, one token at a time). `ahead`: while the verifier works (its cost is
-        hidden, and may be inflated by sharing the machine with it)."""
+        cache lacks, `catch_up`). `ahead`: while the verifier works (its cost is hidden, and
+        may be inflated by sharing the machine with it)."""
         seq, chain = self._seq, self._chain
         pos = len(seq) + len(chain)
         t0 = time.perf_counter()
         draft = self.draft
-        logits = None
+        assert draft.length < pos, "the draft's cache ran ahead of the sequence"
         with self._stream():
-            while draft.length < pos:
-                i = draft.length
-                tok = seq[i] if i < len(seq) else chain[i - len(seq)]
-                logits = draft.feed([tok], last_only=True)
-        assert logits is not None, "the draft's cache ran ahead of the sequence"
+            start = draft.length
+            logits = catch_up(draft, seq[start:] + chain[max(0, start - len(seq)) :])
         x, q = self.chooser.draft(logits, pos, seq, chain)
         conf = self.chooser.confidence(logits, q, seq, chain) if self.k.adaptive else 1.0
         chain.append(x)
@@ -287,9 +284,11 @@ class PipelinedDecoder(ChainDecoder):
         self._stream = _mlx_draft_stream if _is_mlx(self.draft) else _NoStream
         seq = list(prompt)
         self.prefill(seq, resume)
+        # A verifier served by the CPU kernel computes its pass while the pass is built (each
+        # product evaluates its input), so it cannot be submitted lazily: a worker thread runs it.
         self._submitter = (
             _MLXVerifier(self.verifier)
-            if _is_mlx(self.verifier)
+            if _is_mlx(self.verifier) and not getattr(self.verifier, "eager", False)
             else _ThreadVerifier(self.verifier)
         )
         self._seq = seq
