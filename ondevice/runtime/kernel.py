@@ -366,4 +366,5 @@ def serve(model: nn.Module, kind: str | None = None) -> str:
             new = KernelLinear(old.weight, old.get("bias"), kind)
         del old
         setattr(parent, last, new)
+    mx.clear_cache()  # hand the float32 weights' memory back, not to MLX's buffer cache
     return kind

@@ -136,6 +136,28 @@ class _ThreadVerifier:
         self._pool.shutdown(wait=True)
 
 
+class _EagerVerifier(_ThreadVerifier):
+    """An MLX verifier served by the CPU kernel computes its pass while the pass is built (each
+    product evaluates its input), so it cannot be submitted lazily. Its passes run in one worker
+    thread kept with the engine for its lifetime: MLX keeps native state for every thread that
+    used it, so a thread per request would leave threads behind."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        owner = engine
+        while hasattr(owner, "engine"):  # wrappers come and go; the model's engine stays
+            owner = owner.engine
+        pool = getattr(owner, "verify_pool", None)
+        if pool is None:
+            pool = owner.verify_pool = ThreadPoolExecutor(
+                1, thread_name_prefix="ondevice-verify", initializer=threads.register_current
+            )
+        self._pool = pool
+
+    def close(self) -> None:
+        self._pool.submit(lambda: None).result()  # the pass in flight is done; the thread stays
+
+
 def _is_mlx(engine) -> bool:
     return hasattr(engine, "forward") and hasattr(engine, "cache")
 
@@ -284,13 +306,13 @@ class PipelinedDecoder(ChainDecoder):
         self._stream = _mlx_draft_stream if _is_mlx(self.draft) else _NoStream
         seq = list(prompt)
         self.prefill(seq, resume)
-        # A verifier served by the CPU kernel computes its pass while the pass is built (each
-        # product evaluates its input), so it cannot be submitted lazily: a worker thread runs it.
-        self._submitter = (
-            _MLXVerifier(self.verifier)
-            if _is_mlx(self.verifier) and not getattr(self.verifier, "eager", False)
-            else _ThreadVerifier(self.verifier)
-        )
+        self._submitter: _MLXVerifier | _ThreadVerifier
+        if getattr(self.verifier, "eager", False):
+            self._submitter = _EagerVerifier(self.verifier)
+        elif _is_mlx(self.verifier):
+            self._submitter = _MLXVerifier(self.verifier)
+        else:
+            self._submitter = _ThreadVerifier(self.verifier)
         self._seq = seq
         self._chain: list[int] = []
         self._chain_q: list[np.ndarray | None] = []
