@@ -41,8 +41,17 @@ def test_products_match_mlx(kind, rows):
 def _served(path, kind):
     loaded = load_model(path, dequantize=True)
     assert kernel.serve(loaded.model, kind) == kind
-    assert isinstance(loaded.model.layers[0].mlp.up_proj, kernel.KernelLinear)
+    assert isinstance(loaded.model.layers[0].mlp.down_proj, kernel.KernelLinear)
     return loaded.model
+
+
+@pytest.mark.parametrize(("arch", "tie"), [(a, a != "qwen2") for a in tiny.ARCH_DEFAULTS])
+def test_a_served_model_computes_what_mlx_does(tmp_path, arch, tie):
+    path = tiny.write_model(tmp_path / arch, arch=arch, tie=tie, scale=1.5)
+    tokens = mx.array([5, 9, 14, 3, 22, 7, 11, 40])
+    want = load_model(path, dequantize=True).model(tokens)
+    got = _served(path, "f32")(tokens)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -78,7 +87,7 @@ def served_pair(tmp_path_factory):
 def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, monkeypatch):
     gen = ondevice.load(*served_pair)
     for model in (gen._pair.verifier.model, gen._pair.draft.model):
-        assert isinstance(model.layers[0].self_attn.q_proj, kernel.KernelLinear)
+        assert isinstance(model.layers[0].self_attn.o_proj, kernel.KernelLinear)
     monkeypatch.setenv(kernel.ENV, "mlx")
     gen = ondevice.load(*served_pair)
     assert type(gen._pair.verifier.model.layers[0].self_attn.q_proj) is nn.Linear

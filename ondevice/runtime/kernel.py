@@ -41,6 +41,7 @@ import numpy as np
 ENV = "ONDEVICE_KERNEL"
 CHOICES = ("auto", "bf16", "f32", "mlx")
 DIST = "onednn-cpu-gomp"  # oneDNN's CPU build with GNU OpenMP: needs only libgomp
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformer.py's
 ROWS = 16  # every product runs at this many rows (see "Batch invariance" above)
 # Products with fewer weights than this run on one thread: for them an OpenMP fork/join costs
 # more than the product, and far more on a loaded machine, where a preempted worker stalls it.
@@ -287,7 +288,6 @@ class KernelLinear(nn.Module):
         self._np_bias = np.asarray(self.bias) if bias is not None else None
         self._weight_ptr = self._np_weight.ctypes.data
         self._bias_ptr = self._np_bias.ctypes.data if bias is not None else None
-        self._mx_dtype = dt
 
     def __call__(self, x: mx.array) -> mx.array:
         N, K = self.weight.shape
@@ -306,14 +306,34 @@ class KernelLinear(nn.Module):
             plan.run(self._weight_ptr, self._bias_ptr)
             out = mx.array(plan.dst[:M])
         else:
-            parts = []
+            full = np.empty((M, N), np.float32)
             for i in range(0, M, ROWS):
                 n = min(ROWS, M - i)
                 plan.src[:n] = src[i : i + n]
                 plan.run(self._weight_ptr, self._bias_ptr)
-                parts.append(plan.dst[:n].copy())
-            out = mx.array(np.concatenate(parts))
-        return out.reshape(*lead, N).astype(x.dtype)
+                full[i : i + n] = plan.dst[:n]
+            out = mx.array(full)
+        out = out.reshape(*lead, N)
+        return out if x.dtype == mx.float32 else out.astype(x.dtype)
+
+
+class KernelPart(nn.Module):
+    """One of several products of the same input (q/k/v, gate/up), computed as one product over
+    the rows of all their weights: a pass makes 4 products per layer instead of 7. The first
+    part holds the joint `KernelLinear` (so the parameters stay in the module tree); the first
+    call with an input computes it, the others with the same input slice the result."""
+
+    def __init__(self, joint: KernelLinear, lo: int, hi: int, owner: bool):
+        super().__init__()
+        if owner:
+            self.joint = joint
+        self._joint, self._lo, self._hi = joint, lo, hi
+
+    def __call__(self, x: mx.array) -> mx.array:
+        j = self._joint
+        if getattr(j, "_last_x", None) is not x:
+            j._last_x, j._last_y = x, j(x)
+        return j._last_y[..., self._lo : self._hi]
 
 
 class KernelEmbedding(KernelLinear):
@@ -328,6 +348,25 @@ class KernelEmbedding(KernelLinear):
 
     def as_linear(self, x: mx.array) -> mx.array:
         return KernelLinear.__call__(self, x)
+
+
+def _join(module: nn.Module, names: tuple[str, ...], kind: str) -> None:
+    """Replace the linears `names` of `module` (same input) by `KernelPart`s of one product."""
+    parts = [module[n] for n in names]
+    sizes = [p.weight.shape[0] for p in parts]
+    weight = mx.concatenate([p.weight for p in parts])
+    bias = None
+    if any("bias" in p for p in parts):  # a missing bias adds zeros: exact
+        bias = mx.concatenate([p.get("bias", mx.zeros((n,))) for p, n in zip(parts, sizes)])
+    del parts
+    for n in names:
+        del module[n]
+    joint = KernelLinear(weight, bias, kind)
+    del weight, bias
+    lo = 0
+    for i, (n, size) in enumerate(zip(names, sizes)):
+        module[n] = KernelPart(joint, lo, lo + size, owner=i == 0)
+        lo += size
 
 
 def serves(model: nn.Module) -> bool:
@@ -345,6 +384,17 @@ def serve(model: nn.Module, kind: str | None = None) -> str:
         return kind
     if _open() is None:
         raise RuntimeError(_unavailable or "oneDNN is unavailable")
+    # Products that share their input become one product (a list of their parents only, so
+    # each float32 weight is freed as soon as it is joined).
+    groups = [
+        (m, names)
+        for _, m in model.named_modules()
+        for names in SHARED_INPUT
+        if all(type(m.get(n)) is nn.Linear and m[n].weight.dtype == mx.float32 for n in names)
+    ]
+    for module, names in groups:
+        _join(module, names, kind)
+    del groups
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     # Paths first, then one layer at a time, so that each float32 weight is freed as soon as
     # its replacement exists (peak memory: the model plus one layer, not two models).
