@@ -4,7 +4,7 @@
 
 Kernels: `mlx` (float32 weights, MLX's products: the BLAS it was given, runtime/blas.py),
 `bf16` / `f32` (the CPU kernel, runtime/kernel.py), `quantized` (MLX's quantized products on
-the file's own quantized weights). The model is loaded once; the kernels' copies share its
+the file's own quantized weights); `bf16/1` runs the kernel on one thread. The model is loaded once; the kernels' copies share its
 float32 weights until they convert them. Every repetition times each length on each kernel in
 turn, so that all of them see the same load on a shared machine (median of `--reps`).
 """
@@ -57,8 +57,9 @@ def main() -> None:
         elif kind == "mlx":
             models[kind] = flt
         else:
+            name, _, threads = kind.partition("/")
             models[kind] = copy_of(flt)
-            kernel.serve(models[kind], kind)
+            kernel.serve(models[kind], name, int(threads or 0))
     if "mlx" not in kinds:
         del flt
     engines = {k: MLXEngine(m) for k, m in models.items()}

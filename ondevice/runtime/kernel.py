@@ -16,9 +16,11 @@ primitive is built per (K, N) and reused, and each thread keeps fixed input/outp
 
 Batch invariance: a row's result must not depend on how many tokens share the pass (plain and
 speculative decoding must give bitwise-identical greedy tokens), but a library may pick
-another blocking for another M. Every product therefore runs at one fixed M (`ROWS`): fewer
-rows are padded, more are split into chunks of `ROWS`. Where the pass is bound by memory the
-padding costs nothing.
+another blocking for another M. Every product of a pass over up to `ROWS` tokens (decoding,
+verification, trees) therefore runs at one fixed M (`ROWS`), padded; where the pass is bound by
+memory the padding costs nothing. A longer pass (a prompt) runs in padded chunks of
+`PREFILL_ROWS`, where the product is bound by compute and the larger blocks pay; the tests
+check that its rows equal the small passes' too.
 
 `ONDEVICE_KERNEL` chooses: `auto` (default: bf16 where the CPU has AVX512-BF16, else float32),
 `bf16`, `f32` (both through oneDNN) or `mlx` (MLX's own products: the path before this kernel).
@@ -42,7 +44,8 @@ ENV = "ONDEVICE_KERNEL"
 CHOICES = ("auto", "bf16", "f32", "mlx")
 DIST = "onednn-cpu-gomp"  # oneDNN's CPU build with GNU OpenMP: needs only libgomp
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformer.py's
-ROWS = 16  # every product runs at this many rows (see "Batch invariance" above)
+ROWS = 16  # every product runs at this many rows (see "Batch invariance" above)...
+PREFILL_ROWS = 128  # ...or, in a pass over more than ROWS tokens (a prompt), in chunks of this
 # Products with fewer weights than this run on one thread: for them an OpenMP fork/join costs
 # more than the product, and far more on a loaded machine, where a preempted worker stalls it.
 ONE_THREAD_BELOW = 1 << 20
@@ -89,12 +92,14 @@ class _Plan:
     """One primitive for a (K, N, dtype, bias) product at `ROWS` rows, with its memory objects and
     its input/output buffers; owned by one thread (data handles are set per call)."""
 
-    def __init__(self, dnnl: _OneDNN, K: int, N: int, dtype: int, bias: bool, rows: int = ROWS):
+    def __init__(
+        self, dnnl: _OneDNN, K: int, N: int, dtype: int, bias: bool, rows: int, threads: int
+    ):
         lib = dnnl.lib
         self.lib, self.stream = lib, dnnl.stream
         # OpenMP's thread count is per calling thread: set it for the creation (oneDNN sizes
         # its blocking by it) and for every run of this plan.
-        self.threads = 1 if K * N < ONE_THREAD_BELOW else dnnl.max_threads
+        self.threads = threads
         self.set_threads = dnnl.set_threads
         self.set_threads(self.threads)
         np_dtype = np.uint16 if dtype == _BF16 else np.float32
@@ -204,14 +209,19 @@ class _OneDNN:
         )
         return md
 
-    def plan(self, K: int, N: int, dtype: int, bias: bool, rows: int = ROWS) -> _Plan:
+    def plan(
+        self, K: int, N: int, dtype: int, bias: bool, rows: int = ROWS, threads: int = 0
+    ) -> _Plan:
+        """The plan of a product (threads: 0 = all for large products, one for small ones)."""
+        if threads <= 0:
+            threads = 1 if K * N < ONE_THREAD_BELOW else self.max_threads
         plans = getattr(self._local, "plans", None)
         if plans is None:
             plans = self._local.plans = {}
-        key = (K, N, dtype, bias, rows)
+        key = (K, N, dtype, bias, rows, threads)
         p = plans.get(key)
         if p is None:
-            p = plans[key] = _Plan(self, K, N, dtype, bias, rows)
+            p = plans[key] = _Plan(self, K, N, dtype, bias, rows, threads)
         return p
 
 
@@ -276,6 +286,8 @@ class KernelLinear(nn.Module):
     holds the model's parameters; the kernel reads its buffer in place.
     """
 
+    threads = 0  # OpenMP threads per product (0: `_OneDNN.plan` decides by size)
+
     def __init__(self, weight: mx.array, bias: mx.array | None, kind: str):
         super().__init__()
         dt = mx.bfloat16 if kind == "bf16" else mx.float32
@@ -299,16 +311,18 @@ class KernelLinear(nn.Module):
             rows = rows.astype(mx.float32)
         mx.eval(rows)
         src = np.asarray(rows)
-        plan = _dnnl.plan(K, N, self._dtype, self._np_bias is not None)  # type: ignore[union-attr]
         M = src.shape[0]
+        bias = self._np_bias is not None
         if M <= ROWS:
+            plan = _dnnl.plan(K, N, self._dtype, bias, ROWS, self.threads)  # type: ignore[union-attr]
             plan.src[:M] = src
             plan.run(self._weight_ptr, self._bias_ptr)
             out = mx.array(plan.dst[:M])
         else:
+            plan = _dnnl.plan(K, N, self._dtype, bias, PREFILL_ROWS, self.threads)  # type: ignore[union-attr]
             full = np.empty((M, N), np.float32)
-            for i in range(0, M, ROWS):
-                n = min(ROWS, M - i)
+            for i in range(0, M, PREFILL_ROWS):
+                n = min(PREFILL_ROWS, M - i)
                 plan.src[:n] = src[i : i + n]
                 plan.run(self._weight_ptr, self._bias_ptr)
                 full[i : i + n] = plan.dst[:n]
@@ -374,11 +388,12 @@ def serves(model: nn.Module) -> bool:
     return any(isinstance(m, KernelLinear) for _, m in model.named_modules())
 
 
-def serve(model: nn.Module, kind: str | None = None) -> str:
+def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
     """Swap the linear products of an MLX transformer (`models.transformer.Model`) for the CPU
     kernel where it serves this machine; returns the kind in use (`mlx`: nothing changed).
 
-    Only float32 layers are swapped: quantized ones keep MLX's quantized products."""
+    Only float32 layers are swapped: quantized ones keep MLX's quantized products. threads:
+    OpenMP threads per product (0: all of them for large products, one for small ones)."""
     kind = kind or choice()
     if kind == "mlx":
         return kind
@@ -416,5 +431,8 @@ def serve(model: nn.Module, kind: str | None = None) -> str:
             new = KernelLinear(old.weight, old.get("bias"), kind)
         del old
         setattr(parent, last, new)
+    for _, m in model.named_modules():
+        if isinstance(m, KernelLinear):
+            m.threads = threads
     mx.clear_cache()  # hand the float32 weights' memory back, not to MLX's buffer cache
     return kind
