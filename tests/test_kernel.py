@@ -130,3 +130,13 @@ def test_the_draft_catches_up_in_one_call_per_round_where_it_is_batch_invariant(
     plain = SpeculativeDecoder(MLXEngine(v), None, greedy)
     tokens = [t for r in rounds for t in r.tokens]
     assert tokens == [t for r in plain.run([5, 9, 14, 3, 22, 7], 24) for t in r.tokens]
+
+
+def test_doctor_names_the_kernel(monkeypatch):
+    from ondevice.apps import doctor
+
+    assert "kernel      oneDNN" in doctor.render(doctor.collect())
+    monkeypatch.setenv(kernel.ENV, "mlx")
+    report = doctor.collect()
+    assert report["kernel"] == {"kernel": "mlx", "env": "mlx", "reason": "ONDEVICE_KERNEL=mlx"}
+    assert "kernel      mlx (MLX's own products: ONDEVICE_KERNEL=mlx)" in doctor.render(report)
