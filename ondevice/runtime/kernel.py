@@ -10,9 +10,14 @@ over 8 tokens costs little more than one, and the weights take half the memory o
 
 How it is wired, so that the model code stays one copy: `serve(model)` swaps each `nn.Linear`
 of an MLX transformer (and the tied head) for a `KernelLinear` that evaluates its input, runs the
-product in oneDNN on the same buffers and hands the result back to MLX. A pass makes about 200
-such products, so the glue avoids per-product work: weights are converted once at load, one
+product in oneDNN on the same buffers and hands the result back to MLX. Products that share
+their input (q/k/v, gate/up) become one (`KernelPart`), so a pass makes four a layer plus the
+head; the glue still avoids per-product work: weights are converted once at load, one
 primitive is built per (K, N) and reused, and each thread keeps fixed input/output buffers.
+
+Threads: oneDNN runs on OpenMP (libgomp); small products run on one thread (a fork/join costs
+more than they do), large ones on all. Machines without the wheel (Linux arm64) or with
+`ONDEVICE_KERNEL=mlx` keep MLX's products; the Mac never uses this module (MLX on Metal).
 
 Batch invariance: a row's result must not depend on how many tokens share the pass (plain and
 speculative decoding must give bitwise-identical greedy tokens), but a library may pick
