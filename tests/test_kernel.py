@@ -102,10 +102,15 @@ def test_greedy_speculative_equals_plain_with_the_kernel(served_pair, k):
         assert spec.tokens == plain.tokens, (prompt, k)
 
 
-def test_a_bad_choice_is_named(monkeypatch):
+def test_bad_choices_are_named(monkeypatch):
     monkeypatch.setenv(kernel.ENV, "fast")
     with pytest.raises(ValueError, match="ONDEVICE_KERNEL='fast'"):
         kernel.choice()
+    monkeypatch.setenv(kernel.THREADS_ENV, "many")
+    with pytest.raises(ValueError, match="ONDEVICE_KERNEL_THREADS='many'"):
+        kernel.default_threads()
+    monkeypatch.setenv(kernel.THREADS_ENV, "2")
+    assert kernel.default_threads() == 2
 
 
 @pytest.mark.parametrize("served", [True, False])

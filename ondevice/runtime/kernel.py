@@ -15,8 +15,11 @@ their input (q/k/v, gate/up) become one (`KernelPart`), so a pass makes four a l
 head; the glue still avoids per-product work: weights are converted once at load, one
 primitive is built per (K, N) and reused, and each thread keeps fixed input/output buffers.
 
-Threads: oneDNN runs on OpenMP (libgomp); small products run on one thread (a fork/join costs
-more than they do), large ones on all. Machines without the wheel (Linux arm64) or with
+Threads: oneDNN runs on OpenMP (libgomp). Each product runs on one thread unless
+`ONDEVICE_KERNEL_THREADS` says otherwise: a pass makes about a hundred products, each an OpenMP
+fork/join that waits for every thread of its team, so on a shared machine one preempted worker
+stalls the pass, and the pipelined decoder runs the draft beside the verifier anyway (measured in
+docs/benchmarks.md, "issue 26: pass cost"). Machines without the wheel (Linux arm64) or with
 `ONDEVICE_KERNEL=mlx` keep MLX's products; the Mac never uses this module (MLX on Metal).
 
 Batch invariance: a row's result must not depend on how many tokens share the pass (plain and
@@ -51,9 +54,7 @@ DIST = "onednn-cpu-gomp"  # oneDNN's CPU build with GNU OpenMP: needs only libgo
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformer.py's
 ROWS = 16  # every product runs at this many rows (see "Batch invariance" above)...
 PREFILL_ROWS = 128  # ...or, in a pass over more than ROWS tokens (a prompt), in chunks of this
-# Products with fewer weights than this run on one thread: for them an OpenMP fork/join costs
-# more than the product, and far more on a loaded machine, where a preempted worker stalls it.
-ONE_THREAD_BELOW = 1 << 20
+THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default 1, see below)
 
 # oneDNN C API constants (dnnl_types.h, oneDNN 3.x)
 _F32, _BF16 = 3, 2  # dnnl_data_type_t
@@ -197,7 +198,6 @@ class _OneDNN:
         omp = ctypes.CDLL("libgomp.so.1")  # oneDNN's OpenMP runtime, already loaded with it
         self.set_threads = omp.omp_set_num_threads
         self.set_threads.argtypes, self.set_threads.restype = [ctypes.c_int], None
-        self.max_threads = int(omp.omp_get_max_threads())
 
     @staticmethod
     def check(status: int, what: str) -> None:
@@ -217,9 +217,9 @@ class _OneDNN:
     def plan(
         self, K: int, N: int, dtype: int, bias: bool, rows: int = ROWS, threads: int = 0
     ) -> _Plan:
-        """The plan of a product (threads: 0 = all for large products, one for small ones)."""
+        """The plan of a product (threads: 0 = `default_threads()`)."""
         if threads <= 0:
-            threads = 1 if K * N < ONE_THREAD_BELOW else self.max_threads
+            threads = default_threads()
         plans = getattr(self._local, "plans", None)
         if plans is None:
             plans = self._local.plans = {}
@@ -250,6 +250,15 @@ def _open() -> _OneDNN | None:
     except (OSError, RuntimeError, AttributeError) as e:
         _unavailable = f"oneDNN could not be loaded from {path}: {e}"
     return _dnnl
+
+
+def default_threads() -> int:
+    """OpenMP threads per product: `ONDEVICE_KERNEL_THREADS`, else one."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    try:
+        return max(1, int(raw)) if raw else 1
+    except ValueError:
+        raise ValueError(f"{THREADS_ENV}={raw!r}: give a number of threads, e.g. 1 or 2.") from None
 
 
 def choice() -> str:
@@ -291,7 +300,7 @@ class KernelLinear(nn.Module):
     holds the model's parameters; the kernel reads its buffer in place.
     """
 
-    threads = 0  # OpenMP threads per product (0: `_OneDNN.plan` decides by size)
+    threads = 0  # OpenMP threads per product (0: `default_threads()`)
 
     def __init__(self, weight: mx.array, bias: mx.array | None, kind: str):
         super().__init__()
@@ -398,7 +407,7 @@ def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
     kernel where it serves this machine; returns the kind in use (`mlx`: nothing changed).
 
     Only float32 layers are swapped: quantized ones keep MLX's quantized products. threads:
-    OpenMP threads per product (0: all of them for large products, one for small ones)."""
+    OpenMP threads per product (0: `default_threads()`)."""
     kind = kind or choice()
     if kind == "mlx":
         return kind
