@@ -685,6 +685,12 @@ def load(
                 pair.extra.pop(key, None)
     if pair.draft is not None:
         check_pair(pair.verifier.tokenizer, pair.draft.tokenizer, pair.draft.config.vocab_size)
+    if dequantize:  # MLX on the CPU: its float32 linear products go to the CPU kernel
+        from ondevice.runtime import kernel
+
+        for loaded in (pair.verifier, pair.draft):
+            if loaded is not None:
+                kernel.serve(loaded.model)
     gen = Generator(pair, draft_backend, prompt_cache_bytes)
     if prompt_cache is not None:
         gen.load_prompt_cache(prompt_cache)

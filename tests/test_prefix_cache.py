@@ -23,6 +23,7 @@ from ondevice.apps.chat import ChatController, Settings, TerminalChat
 from ondevice.errors import ContextLengthError, OndeviceError
 from ondevice.models import load_model
 from ondevice.models.cache import KVCache
+from ondevice.runtime import kernel
 from ondevice.runtime.engines import coreml_available
 from ondevice.runtime.prefix_cache import PrefixCache, PromptCacheError
 
@@ -268,7 +269,9 @@ def package_pair(request, models, tmp_path_factory):
 
 def package_generator(package_pair, **kwargs) -> Generator:
     verifier, pkg = package_pair
-    return Generator(_Pair(load_model(verifier), None, pkg, 256), "reference", **kwargs)
+    loaded = load_model(verifier)
+    kernel.serve(loaded.model)  # as `ondevice.load` does on this machine
+    return Generator(_Pair(loaded, None, pkg, 256), "reference", **kwargs)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])

@@ -72,6 +72,7 @@ def collect() -> dict[str, Any]:
         "mlx": _mlx(warnings),
         "coreml": _coreml(warnings),
         "blas": _blas(warnings),
+        "kernel": _kernel(),
         "cache": _cache(),
         "draft_drift": _draft_drift(warnings),
     }
@@ -192,6 +193,25 @@ def _blas(warnings: list[str]) -> dict[str, Any]:
             f"than MKL or OpenBLAS; speculation cannot pay there); {info['fix']}"
         )
     return info
+
+
+def _kernel() -> dict[str, Any]:
+    """Which kernel serves the verifier's linear products (`ondevice.runtime.kernel`)."""
+    try:
+        from ondevice.runtime import kernel
+    except ImportError as e:
+        return {"kernel": "mlx", "reason": f"MLX cannot be imported ({e})"}
+    try:
+        return kernel.status()
+    except ValueError as e:  # a bad ONDEVICE_KERNEL
+        return {"kernel": "mlx", "reason": str(e)}
+
+
+def _kernel_line(k: dict[str, Any]) -> str:
+    if k["kernel"] == "mlx":
+        return f"mlx (MLX's own products: {k['reason']})"
+    dots = "bf16 dot products" if k["kernel"] == "bf16" else "float32"
+    return f"oneDNN {k['kernel']} weights, {dots} ({k['library']})"
 
 
 def _mapped_libraries() -> list[str]:
@@ -365,6 +385,7 @@ def render(r: dict[str, Any]) -> str:
         f"  core ml     {coreml_line}",
         f"  coremltools {tools} (native: {native})",
         f"  blas        {blas['kind']}" + (f" ({blas['library']})" if blas.get("library") else ""),
+        f"  kernel      {_kernel_line(r['kernel'])}",
         f"  cache       {cache['dir']}"
         + (f" ({human(cache['size_bytes'])})" if cache["exists"] else " (not created yet)"),
     ]

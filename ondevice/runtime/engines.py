@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ondevice.models.transformer import Model
+from ondevice.runtime import kernel
 from ondevice.runtime.coreml_engines import (  # noqa: F401  (their old home)
     FALLBACK_RECORD,
     coreml_available,
@@ -51,6 +52,9 @@ class MLXEngine:
         self.context_length = context_length or model.config.max_position_embeddings
         self.prefill_chunk = prefill_chunk
         self.cache = model.make_cache()
+        # Served by the CPU kernel: a row's logits do not depend on the pass size, and a pass is
+        # computed while it is built rather than lazily (runtime/kernel.py).
+        self.batch_invariant = self.eager = kernel.serves(model)
 
     @property
     def length(self) -> int:
@@ -87,6 +91,8 @@ class _Wrapper:
         self.name = engine.name
         self.vocab_size = engine.vocab_size
         self.context_length = engine.context_length
+        self.batch_invariant = getattr(engine, "batch_invariant", False)
+        self.eager = getattr(engine, "eager", False)
 
     @property
     def length(self) -> int:

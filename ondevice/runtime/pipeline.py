@@ -19,7 +19,7 @@ How the two engines run at once, with a single Python thread driving both:
 - A verifier that is not MLX runs its passes in one worker thread instead.
 
 Exactness: the decisions come from the same `TokenChooser` as the sequential decoder (greedy,
-or sampling with noise keyed by (seed, position)), the draft is fed one token at a time as there,
+or sampling with noise keyed by (seed, position)), the draft catches up as there (`catch_up`),
 and block lengths follow the same token-only `DraftLength` schedule whenever they can change
 the output. So with a seed the tokens equal the sequential decoder's, however the two engines'
 timings interleave. The clock may choose block lengths only where they cannot change the
@@ -49,9 +49,9 @@ import numpy as np
 from ondevice.runtime import threads
 from ondevice.runtime.costmodel import CostModel
 from ondevice.runtime.engines import innermost
-from ondevice.speculative.decoder import ChainDecoder, block_length
+from ondevice.speculative.decoder import ChainDecoder, block_length, catch_up
 from ondevice.speculative.decoding import Round, Step
-from ondevice.speculative.engine import Engine, prefill
+from ondevice.speculative.engine import Engine, batch_invariant, prefill
 from ondevice.speculative.sampling import SamplingParams
 
 # -- running the verifier in the background ---------------------------------------------------
@@ -142,6 +142,28 @@ class _ThreadVerifier:
         self._pool.shutdown(wait=True)
 
 
+class _EagerVerifier(_ThreadVerifier):
+    """An MLX verifier served by the CPU kernel computes its pass while the pass is built (each
+    product evaluates its input), so it cannot be submitted lazily. Its passes run in one worker
+    thread kept with the engine for its lifetime: MLX keeps native state for every thread that
+    used it, so a thread per request would leave threads behind."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        owner = engine
+        while hasattr(owner, "engine"):  # wrappers come and go; the model's engine stays
+            owner = owner.engine
+        pool = getattr(owner, "verify_pool", None)
+        if pool is None:
+            pool = owner.verify_pool = ThreadPoolExecutor(
+                1, thread_name_prefix="ondevice-verify", initializer=threads.register_current
+            )
+        self._pool = pool
+
+    def close(self) -> None:
+        self._pool.submit(lambda: None).result()  # the pass in flight is done; the thread stays
+
+
 def _is_mlx(engine) -> bool:
     return hasattr(engine, "forward") and hasattr(engine, "cache")
 
@@ -209,12 +231,8 @@ class PipelinedDecoder(ChainDecoder):
             raise ValueError("the pipelined decoder needs a draft engine")
         super().__init__(verifier, draft, params, **options)
         # the clock may choose block lengths only where they cannot change the output (see
-        # the module docstring); no engine declares `batch_invariant` yet
-        self.timed = (
-            params.greedy
-            and self.k.fixed is None
-            and bool(getattr(verifier, "batch_invariant", False))
-        )
+        # the module docstring): a verifier served by the CPU kernel declares it
+        self.timed = params.greedy and self.k.fixed is None and batch_invariant(verifier)
         self.k_max = self.k.high
         self.cost = CostModel()
         self.explore_every = 16  # rounds
@@ -242,19 +260,16 @@ class PipelinedDecoder(ChainDecoder):
 
     def _draft_step(self, ahead: bool = False) -> None:
         """Draft one more token at the end of the chain (after catching up on what the draft's
-        cache lacks, one token at a time). `ahead`: while the verifier works (its cost is
-        hidden, and may be inflated by sharing the machine with it)."""
+        cache lacks, `catch_up`). `ahead`: while the verifier works (its cost is hidden, and
+        may be inflated by sharing the machine with it)."""
         seq, chain = self._seq, self._chain
         pos = len(seq) + len(chain)
         t0 = time.perf_counter()
         draft = self.draft
-        logits = None
+        assert draft.length < pos, "the draft's cache ran ahead of the sequence"
         with self._stream():
-            while draft.length < pos:
-                i = draft.length
-                tok = seq[i] if i < len(seq) else chain[i - len(seq)]
-                logits = draft.feed([tok], last_only=True)
-        assert logits is not None, "the draft's cache ran ahead of the sequence"
+            start = draft.length
+            logits = catch_up(draft, seq[start:] + chain[max(0, start - len(seq)) :])
         x, q = self.chooser.draft(logits, pos, seq, chain)
         conf = self.chooser.confidence(logits, q, seq, chain) if self.k.adaptive else 1.0
         chain.append(x)
@@ -299,11 +314,13 @@ class PipelinedDecoder(ChainDecoder):
         self._stream = _mlx_draft_stream if _is_mlx(draft) else _NoStream
         seq = list(prompt)
         self.prefill(seq, resume)
-        self._submitter = (
-            _MLXVerifier(self.verifier)
-            if _is_mlx(self.verifier)
-            else _ThreadVerifier(self.verifier)
-        )
+        self._submitter: _MLXVerifier | _ThreadVerifier
+        if getattr(self.verifier, "eager", False):
+            self._submitter = _EagerVerifier(self.verifier)
+        elif _is_mlx(self.verifier):
+            self._submitter = _MLXVerifier(self.verifier)
+        else:
+            self._submitter = _ThreadVerifier(self.verifier)
         self._seq = seq
         self._chain: list[int] = []
         self._chain_q: list[np.ndarray | None] = []

@@ -9,9 +9,10 @@ Invariants at the start of a round, for the committed sequence `seq` (prompt + e
 the verifier's cache holds seq[:-1] (its last token is fed together with the drafts), and the
 draft's cache holds a prefix of seq (it catches up on the rest before proposing).
 
-Reproducibility: random numbers are keyed by (seed, position) (`noise.py`), the draft is always
-fed one token at a time after the prompt (so its distribution at a position is bitwise the same
-whichever decoder built its cache), and the block lengths depend only on tokens. The pipelined
+Reproducibility: random numbers are keyed by (seed, position) (`noise.py`), the draft's
+distribution at a position is bitwise the same whichever decoder built its cache (`catch_up`:
+one call per round where the draft is batch-invariant, else one token at a time after the
+prompt), and the block lengths depend only on tokens. The pipelined
 decoder (`runtime/pipeline.py`) shares `TokenChooser` and `DraftLength` with this one and so
 produces exactly its tokens for the same seed.
 """
@@ -25,7 +26,7 @@ import numpy as np
 
 from ondevice.speculative import accept
 from ondevice.speculative.decoding import DecoderBase, DecodeStats, Round, Step
-from ondevice.speculative.engine import Engine, prefill
+from ondevice.speculative.engine import Engine, batch_invariant, prefill
 from ondevice.speculative.noise import PositionNoise
 from ondevice.speculative.sampling import (
     SamplingParams,
@@ -96,6 +97,19 @@ class DraftLength:
 
     def ends_after(self, token: int, eos: frozenset[int]) -> bool:
         return self.adaptive and token in eos
+
+
+def catch_up(draft: Engine, tokens: Sequence[int]) -> np.ndarray:
+    """Feed `tokens` (at least one) to the draft and return its logits after the last.
+
+    In one call where the draft is batch-invariant (its numbers do not depend on how tokens are
+    grouped into passes), so a round costs one draft call for the accepted and bonus tokens;
+    otherwise one token at a time, the only grouping every decoder can reproduce exactly."""
+    if batch_invariant(draft):
+        return draft.feed(list(tokens), last_only=True)
+    for tok in tokens:
+        logits = draft.feed([tok], last_only=True)
+    return logits
 
 
 def block_length(
@@ -272,8 +286,7 @@ class SpeculativeDecoder(ChainDecoder):
         t = time.perf_counter()
         valid = min(self._draft_valid, draft.length)
         draft.trim(draft.length - valid)
-        for tok in seq[valid:]:  # one at a time: see the module docstring
-            logits = draft.feed([tok], last_only=True)
+        logits = catch_up(draft, seq[valid:])
         drafts: list[int] = []
         qs = []
         for i in range(k):

@@ -19,6 +19,9 @@ class Engine(Protocol):
     `feed(tokens)` appends `tokens` to the cache and returns float32 logits of shape
     (len(tokens), vocab) (or only the last row, shape (vocab,), when `last_only`). `trim(n)`
     forgets the last n tokens. `length` is the number of tokens in the cache.
+
+    An engine may also set `batch_invariant = True` when a row's logits do not depend on how
+    many tokens share its pass (see `batch_invariant`).
     """
 
     name: str
@@ -33,6 +36,12 @@ class Engine(Protocol):
     def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray: ...
 
     def trim(self, n: int) -> None: ...
+
+
+def batch_invariant(engine: Engine) -> bool:
+    """Whether feeding tokens in one call gives bitwise the logits and cache of feeding them one
+    at a time (e.g. an MLX model served by the CPU kernel, `runtime/kernel.py`)."""
+    return bool(getattr(engine, "batch_invariant", False))
 
 
 def prefill(engine: Engine, tokens: Sequence[int], resume: bool = False) -> None:

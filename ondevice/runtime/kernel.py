@@ -1,0 +1,452 @@
+"""The CPU kernel behind the verifier's linear products on Linux: oneDNN's matmul through ctypes.
+
+Why: a speculative round verifies several tokens in one pass, which pays only if that pass costs
+little more than a one-token pass. MLX's CPU products go to a BLAS (MKL here, runtime/blas.py),
+whose small-M float32 GEMM grows with every token of the pass. oneDNN's matmul with bfloat16
+weights and bfloat16 dot products (AVX512-BF16, chosen by CPU feature, not vendor) reads each
+weight once for all the tokens of a pass and is bound by memory up to about 16 tokens, so a pass
+over 8 tokens costs little more than one, and the weights take half the memory of float32
+(docs/benchmarks.md, "issue 26: pass cost").
+
+How it is wired, so that the model code stays one copy: `serve(model)` swaps each `nn.Linear`
+of an MLX transformer (and the tied head) for a `KernelLinear` that evaluates its input, runs the
+product in oneDNN on the same buffers and hands the result back to MLX. Products that share
+their input (q/k/v, gate/up) become one (`KernelPart`), so a pass makes four a layer plus the
+head; the glue still avoids per-product work: weights are converted once at load, one
+primitive is built per (K, N) and reused, and each thread keeps fixed input/output buffers.
+
+Threads: oneDNN runs on OpenMP (libgomp). Each product runs on one thread unless
+`ONDEVICE_KERNEL_THREADS` says otherwise: a pass makes about a hundred products, each an OpenMP
+fork/join that waits for every thread of its team, so on a shared machine one preempted worker
+stalls the pass, and the pipelined decoder runs the draft beside the verifier anyway (measured in
+docs/benchmarks.md, "issue 26: pass cost"). Machines without the wheel (Linux arm64) or with
+`ONDEVICE_KERNEL=mlx` keep MLX's products; the Mac never uses this module (MLX on Metal).
+
+Batch invariance: a row's result must not depend on how many tokens share the pass (plain and
+speculative decoding must give bitwise-identical greedy tokens), but a library may pick
+another blocking for another M. Every product of a pass over up to `ROWS` tokens (decoding,
+verification, trees) therefore runs at one fixed M (`ROWS`), padded; where the pass is bound by
+memory the padding costs nothing. A longer pass (a prompt) runs in padded chunks of
+`PREFILL_ROWS`, where the product is bound by compute and the larger blocks pay; the tests
+check that its rows equal the small passes' too.
+
+`ONDEVICE_KERNEL` chooses: `auto` (default: bf16 where the CPU has AVX512-BF16, else float32),
+`bf16`, `f32` (both through oneDNN) or `mlx` (MLX's own products: the path before this kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+ENV = "ONDEVICE_KERNEL"
+CHOICES = ("auto", "bf16", "f32", "mlx")
+DIST = "onednn-cpu-gomp"  # oneDNN's CPU build with GNU OpenMP: needs only libgomp
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformer.py's
+ROWS = 16  # every product runs at this many rows (see "Batch invariance" above)...
+PREFILL_ROWS = 128  # ...or, in a pass over more than ROWS tokens (a prompt), in chunks of this
+THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default 1, see below)
+
+# oneDNN C API constants (dnnl_types.h, oneDNN 3.x)
+_F32, _BF16 = 3, 2  # dnnl_data_type_t
+_CPU = 1  # dnnl_cpu
+_ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS = 1, 17, 33, 41
+_QUERY_IMPL_INFO = 8  # dnnl_query_impl_info_str
+_Dims = ctypes.c_int64 * 12  # dnnl_dims_t
+
+
+class _ExecArg(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_int), ("memory", ctypes.c_void_p)]
+
+
+def _library() -> Path | None:
+    try:
+        files = metadata.files(DIST) or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name.startswith("libdnnl.so"):
+            path = Path(str(f.locate())).resolve()
+            if path.exists():
+                return path
+    return None
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 dot products natively (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split()
+                    return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        pass
+    return False
+
+
+class _Plan:
+    """One primitive for a (K, N, dtype, bias) product at `ROWS` rows, with its memory objects and
+    its input/output buffers; owned by one thread (data handles are set per call)."""
+
+    def __init__(
+        self, dnnl: _OneDNN, K: int, N: int, dtype: int, bias: bool, rows: int, threads: int
+    ):
+        lib = dnnl.lib
+        self.lib, self.stream = lib, dnnl.stream
+        # OpenMP's thread count is per calling thread: set it for the creation (oneDNN sizes
+        # its blocking by it) and for every run of this plan.
+        self.threads = threads
+        self.set_threads = dnnl.set_threads
+        self.set_threads(self.threads)
+        np_dtype = np.uint16 if dtype == _BF16 else np.float32
+        self.src = np.zeros((rows, K), np_dtype)
+        self.dst = np.zeros((rows, N), np.float32)
+        src_md = dnnl.md((rows, K), dtype, (K, 1))
+        wei_md = dnnl.md((K, N), dtype, (1, K))  # MLX's (N, K) weight read as K x N
+        dst_md = dnnl.md((rows, N), _F32, (N, 1))
+        bias_md = dnnl.md((1, N), _F32, (N, 1)) if bias else None
+        pd = ctypes.c_void_p()
+        dnnl.check(
+            lib.dnnl_matmul_primitive_desc_create(
+                ctypes.byref(pd), dnnl.engine, src_md, wei_md, bias_md, dst_md, None
+            ),
+            "matmul primitive descriptor",
+        )
+        info = ctypes.c_char_p()
+        lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0, ctypes.byref(info))
+        self.impl = (info.value or b"?").decode()
+        prim = ctypes.c_void_p()
+        dnnl.check(lib.dnnl_primitive_create(ctypes.byref(prim), pd), "matmul primitive")
+        lib.dnnl_primitive_desc_destroy(pd)
+        self.prim = prim
+
+        def memory(md: ctypes.c_void_p, handle: int | None) -> ctypes.c_void_p:
+            m = ctypes.c_void_p()
+            dnnl.check(lib.dnnl_memory_create(ctypes.byref(m), md, dnnl.engine, handle), "memory")
+            return m
+
+        self.wei = memory(wei_md, None)
+        self.bias = memory(bias_md, None) if bias else None
+        args = [
+            (_ARG_SRC, memory(src_md, self.src.ctypes.data)),
+            (_ARG_WEIGHTS, self.wei),
+            (_ARG_DST, memory(dst_md, self.dst.ctypes.data)),
+        ]
+        if self.bias is not None:
+            args.append((_ARG_BIAS, self.bias))
+        self.nargs = len(args)
+        self.args = (_ExecArg * len(args))(*[_ExecArg(a, m.value) for a, m in args])
+        for md in (src_md, wei_md, dst_md, bias_md):
+            if md is not None:
+                lib.dnnl_memory_desc_destroy(md)
+
+    def run(self, weight_ptr: int, bias_ptr: int | None) -> None:
+        lib = self.lib
+        self.set_threads(self.threads)
+        lib.dnnl_memory_set_data_handle(self.wei, weight_ptr)
+        if self.bias is not None:
+            lib.dnnl_memory_set_data_handle(self.bias, bias_ptr)
+        status = lib.dnnl_primitive_execute(self.prim, self.stream, self.nargs, self.args)
+        if status:
+            raise RuntimeError(f"oneDNN matmul failed (status {status})")
+
+
+class _OneDNN:
+    """The library, its CPU engine and stream, and the plans built so far (per thread)."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        vp = ctypes.c_void_p
+        sigs = {
+            "dnnl_engine_create": [ctypes.POINTER(vp), ctypes.c_int, ctypes.c_size_t],
+            "dnnl_stream_create": [ctypes.POINTER(vp), vp, ctypes.c_uint],
+            "dnnl_memory_desc_create_with_strides": [
+                ctypes.POINTER(vp),
+                ctypes.c_int,
+                _Dims,
+                ctypes.c_int,
+                _Dims,
+            ],
+            "dnnl_memory_desc_destroy": [vp],
+            "dnnl_matmul_primitive_desc_create": [ctypes.POINTER(vp), vp, vp, vp, vp, vp, vp],
+            "dnnl_primitive_desc_query": [vp, ctypes.c_int, ctypes.c_int, vp],
+            "dnnl_primitive_desc_destroy": [vp],
+            "dnnl_primitive_create": [ctypes.POINTER(vp), vp],
+            "dnnl_memory_create": [ctypes.POINTER(vp), vp, vp, vp],
+            "dnnl_memory_set_data_handle": [vp, vp],
+            "dnnl_primitive_execute": [vp, vp, ctypes.c_int, vp],
+        }
+        for name, argtypes in sigs.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        self.lib = lib
+        self.engine, self.stream = vp(), vp()
+        self.check(lib.dnnl_engine_create(ctypes.byref(self.engine), _CPU, 0), "CPU engine")
+        # flags 0: the default stream (in-order; execution on the CPU returns when done)
+        self.check(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, 1), "stream")
+        self._local = threading.local()
+        omp = ctypes.CDLL("libgomp.so.1")  # oneDNN's OpenMP runtime, already loaded with it
+        self.set_threads = omp.omp_set_num_threads
+        self.set_threads.argtypes, self.set_threads.restype = [ctypes.c_int], None
+
+    @staticmethod
+    def check(status: int, what: str) -> None:
+        if status:
+            raise RuntimeError(f"oneDNN: could not create the {what} (status {status})")
+
+    def md(self, dims: tuple[int, ...], dtype: int, strides: tuple[int, ...]) -> ctypes.c_void_p:
+        md = ctypes.c_void_p()
+        self.check(
+            self.lib.dnnl_memory_desc_create_with_strides(
+                ctypes.byref(md), len(dims), _Dims(*dims), dtype, _Dims(*strides)
+            ),
+            "memory descriptor",
+        )
+        return md
+
+    def plan(
+        self, K: int, N: int, dtype: int, bias: bool, rows: int = ROWS, threads: int = 0
+    ) -> _Plan:
+        """The plan of a product (threads: 0 = `default_threads()`)."""
+        if threads <= 0:
+            threads = default_threads()
+        plans = getattr(self._local, "plans", None)
+        if plans is None:
+            plans = self._local.plans = {}
+        key = (K, N, dtype, bias, rows, threads)
+        p = plans.get(key)
+        if p is None:
+            p = plans[key] = _Plan(self, K, N, dtype, bias, rows, threads)
+        return p
+
+
+_dnnl: _OneDNN | None = None
+_unavailable: str | None = None
+
+
+def _open() -> _OneDNN | None:
+    global _dnnl, _unavailable
+    if _dnnl is not None or _unavailable is not None:
+        return _dnnl
+    if not sys.platform.startswith("linux"):
+        _unavailable = "not Linux (MLX runs on the GPU)"
+        return None
+    path = _library()
+    if path is None:
+        _unavailable = f"oneDNN is not installed (pip install {DIST})"
+        return None
+    try:
+        _dnnl = _OneDNN(path)
+    except (OSError, RuntimeError, AttributeError) as e:
+        _unavailable = f"oneDNN could not be loaded from {path}: {e}"
+    return _dnnl
+
+
+def default_threads() -> int:
+    """OpenMP threads per product: `ONDEVICE_KERNEL_THREADS`, else one."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    try:
+        return max(1, int(raw)) if raw else 1
+    except ValueError:
+        raise ValueError(f"{THREADS_ENV}={raw!r}: give a number of threads, e.g. 1 or 2.") from None
+
+
+def choice() -> str:
+    """What serves the linear products on this machine: `bf16`, `f32` (oneDNN) or `mlx`."""
+    want = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if want not in CHOICES:
+        raise ValueError(f"{ENV}={want!r}: choose one of {', '.join(CHOICES)}.")
+    if want == "mlx" or mx.default_device() != mx.cpu or _open() is None:
+        return "mlx"
+    if want == "auto":
+        return "bf16" if cpu_has_bf16() else "f32"
+    return want
+
+
+def status() -> dict[str, Any]:
+    """For `ondevice doctor`: which kernel serves the verifier's linear products, and why."""
+    kind = choice()
+    out: dict[str, Any] = {"kernel": kind, "env": os.environ.get(ENV)}
+    if kind == "mlx":
+        out["reason"] = (
+            f"{ENV}=mlx"
+            if os.environ.get(ENV, "").strip().lower() == "mlx"
+            else (_unavailable or "MLX runs on the GPU")
+        )
+    else:
+        out["library"] = str(_library())
+        out["bf16_dot_products"] = cpu_has_bf16()
+    return out
+
+
+def available() -> bool:
+    return choice() != "mlx"
+
+
+class KernelLinear(nn.Module):
+    """`y = x @ W.T (+ b)` by oneDNN; W kept in the kernel's dtype (bf16 or float32).
+
+    `weight` stays an MLX array (of shape (N, K), like nn.Linear's) so the module tree still
+    holds the model's parameters; the kernel reads its buffer in place.
+    """
+
+    threads = 0  # OpenMP threads per product (0: `default_threads()`)
+
+    def __init__(self, weight: mx.array, bias: mx.array | None, kind: str):
+        super().__init__()
+        dt = mx.bfloat16 if kind == "bf16" else mx.float32
+        self.weight = weight.astype(dt)
+        if bias is not None:
+            self.bias = bias.astype(mx.float32)
+        mx.eval(self.parameters())
+        self._dtype = _BF16 if kind == "bf16" else _F32
+        self._np_weight = np.asarray(self.weight.view(mx.uint16) if kind == "bf16" else self.weight)
+        self._np_bias = np.asarray(self.bias) if bias is not None else None
+        self._weight_ptr = self._np_weight.ctypes.data
+        self._bias_ptr = self._np_bias.ctypes.data if bias is not None else None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        N, K = self.weight.shape
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, K)
+        if self._dtype == _BF16:
+            rows = rows.astype(mx.bfloat16).view(mx.uint16)
+        elif rows.dtype != mx.float32:
+            rows = rows.astype(mx.float32)
+        mx.eval(rows)
+        src = np.asarray(rows)
+        M = src.shape[0]
+        bias = self._np_bias is not None
+        if M <= ROWS:
+            plan = _dnnl.plan(K, N, self._dtype, bias, ROWS, self.threads)  # type: ignore[union-attr]
+            plan.src[:M] = src
+            plan.run(self._weight_ptr, self._bias_ptr)
+            out = mx.array(plan.dst[:M])
+        else:
+            plan = _dnnl.plan(K, N, self._dtype, bias, PREFILL_ROWS, self.threads)  # type: ignore[union-attr]
+            full = np.empty((M, N), np.float32)
+            for i in range(0, M, PREFILL_ROWS):
+                n = min(PREFILL_ROWS, M - i)
+                plan.src[:n] = src[i : i + n]
+                plan.run(self._weight_ptr, self._bias_ptr)
+                full[i : i + n] = plan.dst[:n]
+            out = mx.array(full)
+        out = out.reshape(*lead, N)
+        return out if x.dtype == mx.float32 else out.astype(x.dtype)
+
+
+class KernelPart(nn.Module):
+    """One of several products of the same input (q/k/v, gate/up), computed as one product over
+    the rows of all their weights: a pass makes 4 products per layer instead of 7. The first
+    part holds the joint `KernelLinear` (so the parameters stay in the module tree); the first
+    call with an input computes it, the others with the same input slice the result."""
+
+    def __init__(self, joint: KernelLinear, lo: int, hi: int, owner: bool):
+        super().__init__()
+        if owner:
+            self.joint = joint
+        self._joint, self._lo, self._hi = joint, lo, hi
+
+    def __call__(self, x: mx.array) -> mx.array:
+        j = self._joint
+        if getattr(j, "_last_x", None) is not x:
+            j._last_x, j._last_y = x, j(x)
+        return j._last_y[..., self._lo : self._hi]
+
+
+class KernelEmbedding(KernelLinear):
+    """A tied embedding kept once, in the kernel's dtype: MLX looks tokens up in it (exact in
+    float32) and the kernel computes the logits over the same buffer (`as_linear`)."""
+
+    def __init__(self, weight: mx.array, kind: str):
+        super().__init__(weight, None, kind)
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return self.weight[tokens].astype(mx.float32)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return KernelLinear.__call__(self, x)
+
+
+def _join(module: nn.Module, names: tuple[str, ...], kind: str) -> None:
+    """Replace the linears `names` of `module` (same input) by `KernelPart`s of one product."""
+    parts = [module[n] for n in names]
+    sizes = [p.weight.shape[0] for p in parts]
+    weight = mx.concatenate([p.weight for p in parts])
+    bias = None
+    if any("bias" in p for p in parts):  # a missing bias adds zeros: exact
+        bias = mx.concatenate([p.get("bias", mx.zeros((n,))) for p, n in zip(parts, sizes)])
+    del parts
+    for n in names:
+        del module[n]
+    joint = KernelLinear(weight, bias, kind)
+    del weight, bias
+    lo = 0
+    for i, (n, size) in enumerate(zip(names, sizes)):
+        module[n] = KernelPart(joint, lo, lo + size, owner=i == 0)
+        lo += size
+
+
+def serves(model: nn.Module) -> bool:
+    """Whether `serve` swapped this model's products for the kernel."""
+    return any(isinstance(m, KernelLinear) for _, m in model.named_modules())
+
+
+def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
+    """Swap the linear products of an MLX transformer (`models.transformer.Model`) for the CPU
+    kernel where it serves this machine; returns the kind in use (`mlx`: nothing changed).
+
+    Only float32 layers are swapped: quantized ones keep MLX's quantized products. threads:
+    OpenMP threads per product (0: `default_threads()`)."""
+    kind = kind or choice()
+    if kind == "mlx":
+        return kind
+    if _open() is None:
+        raise RuntimeError(_unavailable or "oneDNN is unavailable")
+    # Products that share their input become one product (a list of their parents only, so
+    # each float32 weight is freed as soon as it is joined).
+    groups = [
+        (m, names)
+        for _, m in model.named_modules()
+        for names in SHARED_INPUT
+        if all(type(m.get(n)) is nn.Linear and m[n].weight.dtype == mx.float32 for n in names)
+    ]
+    for module, names in groups:
+        _join(module, names, kind)
+    del groups
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    # Paths first, then one layer at a time, so that each float32 weight is freed as soon as
+    # its replacement exists (peak memory: the model plus one layer, not two models).
+    paths = [
+        p
+        for p, m in model.named_modules()
+        if (type(m) is nn.Linear or (tied and type(m) is nn.Embedding))
+        and m.weight.dtype == mx.float32
+    ]
+    for path in paths:
+        *parents, last = path.split(".")
+        parent: Any = model
+        for key in parents:
+            parent = parent[int(key)] if isinstance(parent, list) else getattr(parent, key)
+        old = getattr(parent, last)
+        if type(old) is nn.Embedding:
+            new: nn.Module = KernelEmbedding(old.weight, kind)
+        else:
+            new = KernelLinear(old.weight, old.get("bias"), kind)
+        del old
+        setattr(parent, last, new)
+    for _, m in model.named_modules():
+        if isinstance(m, KernelLinear):
+            m.threads = threads
+    mx.clear_cache()  # hand the float32 weights' memory back, not to MLX's buffer cache
+    return kind

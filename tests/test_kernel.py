@@ -1,0 +1,147 @@
+"""The CPU kernel behind the verifier's linear products (runtime/kernel.py): close to MLX's own
+products, batch-invariant (a row's logits do not depend on how many tokens share the pass), and
+greedy speculative decoding with it gives exactly plain decoding's tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+import tiny
+
+import ondevice
+from ondevice.models import load_model
+from ondevice.runtime import kernel
+from ondevice.runtime.engines import MLXEngine, TimedEngine
+from ondevice.speculative.decoder import SpeculativeDecoder
+from ondevice.speculative.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not kernel.available(), reason=f"no CPU kernel here: {kernel.status().get('reason')}"
+)
+KINDS = [k for k in ("bf16", "f32") if k == "f32" or kernel.cpu_has_bf16()]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 5, 16, 37])
+def test_products_match_mlx(kind, rows):
+    lin = nn.Linear(64, 200, bias=True)
+    mx.eval(lin.parameters())
+    x = mx.random.normal((1, rows, 64), key=mx.random.key(rows))
+    ref = lin(x) if kind == "f32" else (x.astype(mx.bfloat16) @ lin.weight.astype(mx.bfloat16).T)
+    if kind == "bf16":
+        ref = ref.astype(mx.float32) + lin.bias
+    got = kernel.KernelLinear(lin.weight, lin.bias, kind)(x)
+    assert got.shape == (1, rows, 200) and got.dtype == mx.float32
+    tol = 1e-5 if kind == "f32" else 2e-2
+    np.testing.assert_allclose(np.array(got), np.array(ref), rtol=tol, atol=tol)
+
+
+def _served(path, kind):
+    loaded = load_model(path, dequantize=True)
+    assert kernel.serve(loaded.model, kind) == kind
+    assert isinstance(loaded.model.layers[0].mlp.down_proj, kernel.KernelLinear)
+    return loaded.model
+
+
+@pytest.mark.parametrize(("arch", "tie"), [(a, a != "qwen2") for a in tiny.ARCH_DEFAULTS])
+def test_a_served_model_computes_what_mlx_does(tmp_path, arch, tie):
+    path = tiny.write_model(tmp_path / arch, arch=arch, tie=tie, scale=1.5)
+    tokens = mx.array([5, 9, 14, 3, 22, 7, 11, 40])
+    want = load_model(path, dequantize=True).model(tokens)
+    got = _served(path, "f32")(tokens)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("arch", "tie"), [(a, a == "qwen2") for a in tiny.ARCH_DEFAULTS])
+def test_a_rows_logits_do_not_depend_on_the_pass_size(tmp_path, arch, tie, kind):
+    model = _served(tiny.write_model(tmp_path / arch, arch=arch, tie=tie, scale=1.5), kind)
+    if tie:
+        assert isinstance(model.model.embed_tokens, kernel.KernelEmbedding)
+    prompt = mx.array([5, 9, 14, 3, 22, 7, 11, 40])
+    tokens = [int(t) for t in np.random.default_rng(0).integers(5, 90, 24)]
+    ref = None
+    for sizes in ([1] * 24, [2] * 12, [4, 3, 5, 8, 4], [8, 16], [16, 8], [24]):
+        cache = model.make_cache()
+        mx.eval(model(prompt, cache, last_only=True))
+        rows, at = [], 0
+        for n in sizes:
+            rows.append(np.array(model(mx.array(tokens[at : at + n]), cache)[0]))
+            at += n
+        logits = np.concatenate(rows)
+        if ref is None:
+            ref = logits
+        else:
+            assert np.array_equal(logits, ref), (arch, sizes)
+
+
+@pytest.fixture(scope="module")
+def served_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kpair")
+    v = tiny.write_model(d / "v", layers=2, scale=1.5)
+    return v, tiny.perturbed_copy(v, d / "d", noise=0.1)
+
+
+def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, monkeypatch):
+    gen = ondevice.load(*served_pair)
+    for model in (gen._pair.verifier.model, gen._pair.draft.model):
+        assert isinstance(model.layers[0].self_attn.o_proj, kernel.KernelLinear)
+    monkeypatch.setenv(kernel.ENV, "mlx")
+    gen = ondevice.load(*served_pair)
+    assert type(gen._pair.verifier.model.layers[0].self_attn.q_proj) is nn.Linear
+
+
+@pytest.mark.parametrize("k", [None, 1, 3, 7])
+def test_greedy_speculative_equals_plain_with_the_kernel(served_pair, k):
+    gen = ondevice.load(*served_pair)
+    for prompt in ("hello world", "the quick brown fox", "mixed CASE"):
+        plain = gen.generate(prompt, max_tokens=32, speculative=False)
+        spec = gen.generate(prompt, max_tokens=32, num_draft_tokens=k)
+        assert spec.tokens == plain.tokens, (prompt, k)
+
+
+def test_bad_choices_are_named(monkeypatch):
+    monkeypatch.setenv(kernel.ENV, "fast")
+    with pytest.raises(ValueError, match="ONDEVICE_KERNEL='fast'"):
+        kernel.choice()
+    monkeypatch.setenv(kernel.THREADS_ENV, "many")
+    with pytest.raises(ValueError, match="ONDEVICE_KERNEL_THREADS='many'"):
+        kernel.default_threads()
+    monkeypatch.setenv(kernel.THREADS_ENV, "2")
+    assert kernel.default_threads() == 2
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_the_draft_catches_up_in_one_call_per_round_where_it_is_batch_invariant(
+    served_pair, served
+):
+    v, d = (load_model(p, dequantize=True).model for p in served_pair)
+    if served:
+        kernel.serve(v, "f32")
+        kernel.serve(d, "f32")
+    draft = TimedEngine(MLXEngine(d))
+    assert draft.batch_invariant is served
+    greedy = SamplingParams(temperature=0.0)
+    dec = SpeculativeDecoder(MLXEngine(v), draft, greedy, num_draft_tokens=1)
+    rounds = list(dec.run([5, 9, 14, 3, 22, 7], 24))
+    full = sum(r.accepted == r.drafted == 1 for r in rounds)
+    assert full > 0  # rounds that catch up on two tokens: the accepted draft and the bonus
+    # one call to prefill, then per drafting round one (batch-invariant) or one per token
+    # caught up (two after a fully accepted block: its last draft and the bonus token)
+    calls = 1 + sum(r.drafted > 0 for r in rounds)
+    assert draft.calls == calls if served else draft.calls > calls
+    plain = SpeculativeDecoder(MLXEngine(v), None, greedy)
+    tokens = [t for r in rounds for t in r.tokens]
+    assert tokens == [t for r in plain.run([5, 9, 14, 3, 22, 7], 24) for t in r.tokens]
+
+
+def test_doctor_names_the_kernel(monkeypatch):
+    from ondevice.apps import doctor
+
+    assert "kernel      oneDNN" in doctor.render(doctor.collect())
+    monkeypatch.setenv(kernel.ENV, "mlx")
+    report = doctor.collect()
+    assert report["kernel"] == {"kernel": "mlx", "env": "mlx", "reason": "ONDEVICE_KERNEL=mlx"}
+    assert "kernel      mlx (MLX's own products: ONDEVICE_KERNEL=mlx)" in doctor.render(report)
