@@ -55,14 +55,20 @@ def _queued(gen) -> int:
     return gen._worker._jobs.qsize()  # generations waiting behind the running one
 
 
-def test_turns_are_first_come_first_served(endless):
-    order: list[int] = []
+def test_turns_are_first_come_first_served(endless, monkeypatch):
+    order: list[int] = []  # the seeds of the generations in the order the model's thread runs them
+    decoder = endless._decoder
+
+    def recording(params, seed, *rest):
+        order.append(seed)
+        return decoder(params, seed, *rest)
+
+    monkeypatch.setattr(endless, "_decoder", recording)
     gate = threading.Event()
     busy = endless._thread().submit(gate.wait)  # the model is busy until the gate opens
 
     def call(i: int) -> None:
-        endless.generate(PROMPTS[i], max_tokens=4)
-        order.append(i)
+        endless.generate(PROMPTS[i], max_tokens=4, seed=i)
 
     threads = []
     for i in range(1, 4):

@@ -20,6 +20,7 @@ from ondevice.convert import lint
 from ondevice.convert.coreml import convert_draft
 from ondevice.errors import ContextLengthError, ModelFormatError, OndeviceError
 from ondevice.models import load_model
+from ondevice.runtime import coreml_plan
 from ondevice.runtime.coreml_engines import CoreMLDraftEngine, ReferenceDraftEngine
 from ondevice.runtime.engines import Engine
 from ondevice.runtime.mil.interpreter import ReferenceModel
@@ -556,7 +557,7 @@ def test_coreml_io_mode_and_compute_plan(tmp):
     tokens = list(np.random.default_rng(4).integers(0, 96, 30))
     got = CoreMLDraftEngine(pkg).feed(tokens)
     assert_close(got, mlx_logits(loaded, tokens), rel=1e-2)
-    plan = lint.compute_plan(pkg)
+    plan = coreml_plan.compute_plan(pkg)
     assert set(plan) == {"decode", "chunk"}
     for fname, placement in plan.items():
         assert placement.share("NeuralEngine") > 0.5, f"{fname}: {placement}"

@@ -30,6 +30,7 @@ from ondevice.convert.probe import probe_float16_range
 from ondevice.errors import ConversionError, ModelFormatError, OndeviceError
 from ondevice.models.config import ModelConfig
 from ondevice.models.weights import build_model
+from ondevice.runtime import coreml_plan
 from ondevice.runtime.coreml_engines import CoreMLDraftEngine, ReferenceDraftEngine
 from ondevice.runtime.engines import MLXEngine, make_draft_engine
 from ondevice.runtime.mil.interpreter import ReferenceModel
@@ -400,7 +401,7 @@ def test_compute_plan_covers_every_function(draft, monkeypatch):
         return dst
 
     monkeypatch.setattr(ct_utils, "compile_model", compile_model)
-    plans = lint.compute_plan(pkg, load_plan=_FakePlan)
+    plans = coreml_plan.compute_plan(pkg, load_plan=_FakePlan)
     assert set(plans) == {"decode", "chunk"}
     for fname, placement in plans.items():
         assert "unknown" not in placement.ops, fname
@@ -415,13 +416,15 @@ def test_check_warns_about_a_function_mostly_off_the_neural_engine(draft, monkey
 
     _, _, pkg = draft
     plans = {
-        "decode": lint.Placement({"NeuralEngine": Counter(conv=9)}, {"NeuralEngine": 1.0}),
-        "chunk": lint.Placement(
+        "decode": coreml_plan.FunctionPlan(
+            {"NeuralEngine": Counter(conv=9)}, {"NeuralEngine": 1.0}
+        ),
+        "chunk": coreml_plan.FunctionPlan(
             {"CPU": Counter(conv=9), "NeuralEngine": Counter(add=2)},
             {"CPU": 0.8, "NeuralEngine": 0.2},
         ),
     }
-    monkeypatch.setattr(lint, "compute_plan", lambda path: plans)
+    monkeypatch.setattr(coreml_plan, "compute_plan", lambda path: plans)
     monkeypatch.setattr(check.sys, "platform", "darwin")
     assert check._check_draft(pkg) == 0
     out = capsys.readouterr().out
@@ -501,7 +504,7 @@ def test_real_draft_runs_mostly_on_the_neural_engine(tmp_path, source):
         chunk=16,
         probe_prompts=_probe_prompts(draft.tokenizer),
     )
-    plans = lint.compute_plan(pkg)
+    plans = coreml_plan.compute_plan(pkg)
     assert set(plans) == {"decode", "chunk"}
     for fname, placement in plans.items():
         assert placement.share("NeuralEngine") > 0.5, f"{fname}: {placement}"

@@ -321,15 +321,18 @@ def test_the_probe_child_reports_the_compute_plan(models, home, monkeypatch, cap
     """The child's side, in-process: start the engine, then the plan's warnings as JSON."""
     from collections import Counter
 
-    from ondevice.convert import lint
-    from ondevice.runtime import coreml_probe
+    from ondevice.runtime import coreml_plan, coreml_probe
 
     strict.install(monkeypatch)
     plans = {
-        "decode": lint.Placement({"NeuralEngine": Counter(conv=9)}, {"NeuralEngine": 1.0}),
-        "chunk": lint.Placement({"CPU": Counter(conv=9)}, {"CPU": 0.9, "NeuralEngine": 0.1}),
+        "decode": coreml_plan.FunctionPlan(
+            {"NeuralEngine": Counter(conv=9)}, {"NeuralEngine": 1.0}
+        ),
+        "chunk": coreml_plan.FunctionPlan(
+            {"CPU": Counter(conv=9)}, {"CPU": 0.9, "NeuralEngine": 0.1}
+        ),
     }
-    monkeypatch.setattr(lint, "compute_plan", lambda path: plans)
+    monkeypatch.setattr(coreml_plan, "compute_plan", lambda path: plans)
     assert coreml_probe.main([str(models["state"])]) == 0
     assert coreml_probe.plan_warnings(capsys.readouterr().out) == [
         "chunk plans only 10% of its cost on the Neural Engine"
@@ -342,14 +345,19 @@ def test_the_probe_child_reports_the_compute_plan(models, home, monkeypatch, cap
 def test_conversion_on_a_mac_checks_the_compute_plan(models, tmp_path, monkeypatch, capsys):
     from collections import Counter
 
-    from ondevice.convert import coreml, lint
+    from ondevice.convert import coreml
+    from ondevice.runtime import coreml_plan
 
     plans = {
-        "decode": lint.Placement({"NeuralEngine": Counter(conv=9)}, {"NeuralEngine": 1.0}),
-        "chunk": lint.Placement({"CPU": Counter(conv=9)}, {"CPU": 0.7, "NeuralEngine": 0.3}),
+        "decode": coreml_plan.FunctionPlan(
+            {"NeuralEngine": Counter(conv=9)}, {"NeuralEngine": 1.0}
+        ),
+        "chunk": coreml_plan.FunctionPlan(
+            {"CPU": Counter(conv=9)}, {"CPU": 0.7, "NeuralEngine": 0.3}
+        ),
     }
     monkeypatch.setattr(coreml, "_core_ml_can_plan", lambda: True)
-    monkeypatch.setattr(lint, "compute_plan", lambda path: plans)
+    monkeypatch.setattr(coreml_plan, "compute_plan", lambda path: plans)
     draft = load_model(models["draft"])
     weights = {k: np.array(x.astype(mx.float32)) for k, x in tree_flatten(draft.model.parameters())}
     desc = convert_draft(

@@ -40,11 +40,13 @@ def test_the_linux_half_writes_one_json(pair, home, tmp_path):
 def test_the_core_ml_half_through_the_stand_in(pair, home, tmp_path, monkeypatch):
     from collections import Counter
 
-    from ondevice.convert import lint
+    from ondevice.runtime import coreml_plan
 
     strict.install(monkeypatch)
-    plan = {"decode": lint.Placement({"NeuralEngine": Counter(conv=4)}, {"NeuralEngine": 1.0})}
-    monkeypatch.setattr(lint, "compute_plan", lambda path: plan)
+    plan = {
+        "decode": coreml_plan.FunctionPlan({"NeuralEngine": Counter(conv=4)}, {"NeuralEngine": 1.0})
+    }
+    monkeypatch.setattr(coreml_plan, "compute_plan", lambda path: plan)
     report = run_check(pair, tmp_path / "check.json", "--compressions", "none")
     coreml = report["packages"]["none"]["coreml"]
     assert coreml["starts"] and coreml["neural_engine_share"] == {"decode": 1.0}

@@ -32,7 +32,7 @@ def test_mlx_lm_generate_command_line_runs_unchanged(pair, gen, capsys, tmp_path
     system.write_text("be brief\n")
     argv = ["generate", "--model", str(v), "--draft-model", str(d), "--draft-backend", "mlx",
             "--system-prompt", str(system), "--prompt", "hello", "-m", "7", "--temp", "0.0",
-            "--num-draft-tokens", "2", "--chat-template-config", '{"add_generation_prompt": true}',
+            "--num-draft-tokens", "2", "--chat-template-config", '{"enable_thinking": false}',
             "--verbose", "False"]  # fmt: skip
     assert main(argv) == 0
     out, err = capsys.readouterr()

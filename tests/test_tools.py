@@ -113,6 +113,7 @@ class CannedDecoder:
     def __init__(self, verifier, tokens: list[int], eos: int) -> None:
         self.verifier, self.tokens, self.eos = verifier, tokens, eos
         self.stats = DecodeStats()
+        self.skip_reason: str | None = None  # why nothing was drafted (set by the caller)
         self.time_prefill = self.time_draft = self.time_verify = 0.0
 
     def run(self, prompt, max_tokens, resume=False):

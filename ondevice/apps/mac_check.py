@@ -3,7 +3,7 @@
 For the default pair's draft (or `--draft`) it converts the draft with each compression and, per
 package: its size and conversion time, the Neural Engine lint, whether Core ML compiles and
 starts it (in a child process, as every load does: `coreml_probe`), where Core ML plans each
-function's cost (`lint.compute_plan`), and the cost of a draft step on the Neural Engine. Beside
+function's cost (`coreml_plan.compute_plan`), and the cost of a draft step on the Neural Engine. Beside
 those: a draft step of the same draft in MLX on the GPU, and the verifier's passes over 1-8 tokens.
 A maintainer reads the file; nothing here changes how ondevice runs.
 
@@ -37,6 +37,7 @@ def check_package(package: Path, context: int) -> dict[str, Any]:
     """Lint, Core ML start and plan, and a Neural Engine draft step of one converted package."""
     from ondevice.convert import lint
     from ondevice.errors import OndeviceError
+    from ondevice.runtime import coreml_plan
     from ondevice.runtime.coreml_engines import CoreMLDraftEngine, coreml_status
     from ondevice.runtime.coreml_probe import verdict
 
@@ -53,7 +54,7 @@ def check_package(package: Path, context: int) -> dict[str, Any]:
         return out
     out["coreml"] = {"starts": True}
     try:
-        plan = lint.compute_plan(package)
+        plan = coreml_plan.compute_plan(package)
         out["coreml"]["neural_engine_share"] = {
             fn: round(p.share("NeuralEngine"), 3) for fn, p in plan.items()
         }

@@ -44,6 +44,7 @@ def _check_files(root: Path, manifest: dict[str, Any]) -> int:
 def _check_draft(mlpackage: Path) -> int:
     """Ops, lint findings and (macOS) the compute plan of the Core ML draft; returns errors."""
     from ondevice.convert import lint
+    from ondevice.runtime import coreml_plan
 
     errors = 0
     try:
@@ -71,20 +72,17 @@ def _check_draft(mlpackage: Path) -> int:
         where = f" [{where}]" if where else ""
         _print(f"  {severity.upper()}{where} {getattr(f, 'message', f)}")
 
-    plan_fn = getattr(lint, "compute_plan", None)
-    if sys.platform == "darwin" and plan_fn is not None:
+    if sys.platform == "darwin":
         try:
-            plan = plan_fn(mlpackage)
+            plan = coreml_plan.compute_plan(mlpackage)
         except Exception as e:
             _print(f"  warning: no compute plan ({type(e).__name__}: {e})")
         else:
             _print("  compute plan (MLComputePlan, one per function):")
             for line in _plan_lines(plan):
                 _print(f"    {line}")
-            for warning in lint.off_neural_engine(plan) if isinstance(plan, dict) else ():
+            for warning in coreml_plan.off_neural_engine(plan):
                 _print(f"  warning: {warning}")
-    elif sys.platform == "darwin":
-        _print("  compute plan: not available in this build")
     else:
         _print("  compute plan: needs macOS (MLComputePlan); skipped")
     return errors

@@ -339,18 +339,18 @@ def _core_ml_can_plan() -> bool:
 def _check_plan(package: Path, description: dict, say: Callable[[str], None]) -> None:
     """Where Core ML plans each function's cost (recorded in `description`), with a warning
     for a function mostly off the Neural Engine: advice, so a failure to plan is only noted."""
-    from ondevice.convert import lint
+    from ondevice.runtime import coreml_plan
 
     say("Core ML compute plan")
     try:
-        plan = lint.compute_plan(package)
+        plan = coreml_plan.compute_plan(package)
     except Exception as e:
         say(f"no compute plan ({type(e).__name__}: {e})")
         return
     description["neural_engine_share"] = {
         fn: round(p.share("NeuralEngine"), 3) for fn, p in plan.items()
     }
-    for warning in lint.off_neural_engine(plan):
+    for warning in coreml_plan.off_neural_engine(plan):
         print(f"ondevice-convert: warning: {warning}", file=sys.stderr)
 
 

@@ -152,9 +152,9 @@ def main(argv: list[str]) -> int:
         print(f"ondevice: {e}", file=sys.stderr)
         return 1
     try:
-        from ondevice.convert import lint
+        from ondevice.runtime import coreml_plan
 
-        warnings = lint.off_neural_engine(lint.compute_plan(argv[0]))
+        warnings = coreml_plan.off_neural_engine(coreml_plan.compute_plan(argv[0]))
     except Exception:  # the plan is advice: a failure to make one must not fail the draft
         warnings = []
     print(json.dumps({"plan_warnings": warnings}))
