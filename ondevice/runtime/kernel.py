@@ -50,6 +50,10 @@ import numpy as np
 
 ENV = "ONDEVICE_KERNEL"
 CHOICES = ("auto", "bf16", "f32", "mlx")
+# Opt-in for now (ONDEVICE_KERNEL=auto): with bfloat16 weights a model's tokens are no longer
+# those of the same weights in float32 (mlx-lm's), and a pass is batch-invariant only where MLX's
+# own products (attention) are too, which MKL's are not.
+DEFAULT = "mlx"
 DIST = "onednn-cpu-gomp"  # oneDNN's CPU build with GNU OpenMP: needs only libgomp
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformer.py's
 ROWS = 16  # every product runs at this many rows (see "Batch invariance" above)...
@@ -263,7 +267,7 @@ def default_threads() -> int:
 
 def choice() -> str:
     """What serves the linear products on this machine: `bf16`, `f32` (oneDNN) or `mlx`."""
-    want = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    want = os.environ.get(ENV, DEFAULT).strip().lower() or DEFAULT
     if want not in CHOICES:
         raise ValueError(f"{ENV}={want!r}: choose one of {', '.join(CHOICES)}.")
     if want == "mlx" or mx.default_device() != mx.cpu or _open() is None:
@@ -278,9 +282,12 @@ def status() -> dict[str, Any]:
     kind = choice()
     out: dict[str, Any] = {"kernel": kind, "env": os.environ.get(ENV)}
     if kind == "mlx":
+        asked = os.environ.get(ENV, "").strip().lower()
         out["reason"] = (
             f"{ENV}=mlx"
-            if os.environ.get(ENV, "").strip().lower() == "mlx"
+            if asked == "mlx"
+            else f"the default; {ENV}=auto serves them through oneDNN"
+            if not asked and mx.default_device() == mx.cpu and _open() is not None
             else (_unavailable or "MLX runs on the GPU")
         )
     else:
@@ -290,7 +297,8 @@ def status() -> dict[str, Any]:
 
 
 def available() -> bool:
-    return choice() != "mlx"
+    """Whether oneDNN can serve this machine's products (whether or not ONDEVICE_KERNEL asks)."""
+    return mx.default_device() == mx.cpu and _open() is not None
 
 
 class KernelLinear(nn.Module):
