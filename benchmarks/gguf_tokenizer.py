@@ -8,7 +8,13 @@ Qwen2's published split and normalizer), then prints how many prompts differ and
 tokens. Also times building the tokenizer and reading the header (own reader vs
 `gguf.GGUFReader`) with peak memory, in separate processes.
 
+With `--acceptance BUNDLE`, also decodes every prompt that tokenizes differently with the pair of
+that bundle (MLX verifier and draft, greedy chain, `convert.acceptance.measure`), once from the
+old split's ids and once from the new split's, and prints the acceptance of each: what the fix
+changed in how often the draft agrees with the verifier.
+
     .venv/bin/python benchmarks/gguf_tokenizer.py --prompts PATH.jsonl [--gguf FILE] [--no-header]
+        [--acceptance BUNDLE [--max-tokens 32] [--json OUT]]
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import resource
 import subprocess
 import sys
 import time
+from itertools import zip_longest
 from pathlib import Path
 from statistics import mean, median
 
@@ -60,6 +67,9 @@ def main() -> None:
     ap.add_argument("--prompts", required=True, help="Spec-Bench style JSONL (turns)")
     ap.add_argument("--gguf", default=DEFAULT, help=f"GGUF file or cached name ({DEFAULT})")
     ap.add_argument("--no-header", action="store_true", help="skip timing the header readers")
+    ap.add_argument("--acceptance", metavar="BUNDLE", help="decode the changed prompts with it")
+    ap.add_argument("--max-tokens", type=int, default=32, help="per decoding (--acceptance)")
+    ap.add_argument("--json", type=Path, help="write the acceptance rows here (--acceptance)")
     args = ap.parse_args()
     path = resolve(args.gguf)
 
@@ -87,12 +97,15 @@ def main() -> None:
 
     prompts, _ = read_prompts(args.prompts)
     rows = []
+    changed: list[tuple[str, list[int], list[int]]] = []
     for p in prompts:
         text = new.apply_chat_template([{"role": "user", "content": p.text}])
         a = old.encode(text, add_special_tokens=False)
         b = new.encode(text, add_special_tokens=False)
         c = hf.encode(text, add_special_tokens=False)
         rows.append((p.category, len(a), len(b), a != b, b == c, a == c))
+        if a != b:
+            changed.append((p.category, a, b))
     n = len(rows)
     differ = [r for r in rows if r[3]]
     print(f"prompts: {n}; tokenized differently before vs after: {len(differ)}")
@@ -116,6 +129,54 @@ def main() -> None:
     print(
         f"peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
     )
+    if args.acceptance:
+        _acceptance(Path(args.acceptance), changed, args.max_tokens, args.json, new.eos_token_ids)
+
+
+def _rate(domains: list[dict]) -> str:
+    acc = sum(d["accepted"] for d in domains)
+    rej = sum(d["rejected"] for d in domains)
+    rounds = sum(d["rounds"] for d in domains)
+    tokens = sum(d["tokens"] for d in domains)
+    return f"acceptance {acc / max(acc + rej, 1):.3f} ({acc}/{acc + rej}), {tokens / rounds:.2f} tok/pass"
+
+
+def _acceptance(
+    bundle: Path,
+    changed: list[tuple[str, list[int], list[int]]],
+    max_tokens: int,
+    out: Path | None,
+    eos: set[int],
+) -> None:
+    """Greedy chain acceptance of the bundle's pair on each changed prompt, old ids vs new ids."""
+    from ondevice.convert.acceptance import measure
+    from ondevice.models import load_model
+
+    verifier = load_model(bundle / "verifier").model
+    draft = load_model(bundle / "draft" / "mlx").model
+    # round-robin over categories, so that a run stopped early still covers each of them
+    by_cat: dict[str, list] = {}
+    for item in changed:
+        by_cat.setdefault(item[0], []).append(item)
+    changed = [x for group in zip_longest(*by_cat.values()) for x in group if x is not None]
+    results = []
+    for i, (cat, old_ids, new_ids) in enumerate(changed):
+        row: dict = {"category": cat, "old_tokens": len(old_ids), "new_tokens": len(new_ids)}
+        for split, ids in (("old", old_ids), ("new", new_ids)):
+            rec = measure(verifier, draft, {cat: ids}, max_tokens, eos_token_ids=sorted(eos))
+            row[split] = rec["domains"][cat]
+        results.append(row)
+        print(f"[{i + 1}/{len(changed)}] {cat}: old {_rate([row['old']])}; new {_rate([row['new']])}",
+              flush=True)  # fmt: skip
+        if out:
+            out.write_text(json.dumps(results, indent=1))
+    print(f"all {len(results)} changed prompts, {max_tokens} tokens each:")
+    for split in ("old", "new"):
+        print(f"  {split} split: {_rate([r[split] for r in results])}")
+    for cat in sorted({r["category"] for r in results}):
+        sel = [r for r in results if r["category"] == cat]
+        print(f"  {cat} ({len(sel)}): old {_rate([r['old'] for r in sel])}; "
+              f"new {_rate([r['new'] for r in sel])}")  # fmt: skip
 
 
 if __name__ == "__main__":
