@@ -20,12 +20,12 @@ from pathlib import Path
 
 from models_util import add_verifier_argument
 
+from ondevice.decoders.plain import PlainGreedyDecoder
+from ondevice.decoders.registry import make_decoder
 from ondevice.models import load_model
 from ondevice.models.transformer import Model
-from ondevice.runtime.decoders import make_decoder
+from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.engines import MLXEngine
-from ondevice.runtime.plain import PlainGreedyDecoder
-from ondevice.speculative.sampling import SamplingParams
 
 
 def layer_slice(verifier: Model, n: int) -> Model:

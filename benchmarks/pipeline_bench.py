@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 from models_util import add_verifier_argument, load_pair
 
+from ondevice.decoders.chain import SpeculativeDecoder
+from ondevice.decoders.pipelined import PipelinedDecoder
+from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.costmodel import CostModel
 from ondevice.runtime.engines import MLXEngine
-from ondevice.runtime.pipeline import PipelinedDecoder
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams
 
 
 class Recording:

@@ -24,10 +24,10 @@ from models_util import add_verifier_argument, load_pair
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny  # noqa: E402
 
+from ondevice.decoders.chain import SpeculativeDecoder  # noqa: E402
 from ondevice.models import load_model  # noqa: E402
+from ondevice.rules.sampling import SamplingParams, probabilities  # noqa: E402
 from ondevice.runtime.engines import MLXEngine  # noqa: E402
-from ondevice.speculative.decoder import SpeculativeDecoder  # noqa: E402
-from ondevice.speculative.sampling import SamplingParams, probabilities  # noqa: E402
 
 
 def tiny_pairs(runs: int) -> None:

@@ -15,13 +15,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from ondevice.decoders.registry import METHODS as METHODS
+from ondevice.decoders.registry import check_method, make_decoder
 from ondevice.errors import CoreMLRuntimeError, CoreMLUnavailableError, OndeviceError
 from ondevice.models import LoadedModel, load_model
 from ondevice.models.tokenizer import RESERVED_TEMPLATE_ARGS, Tokenizer, check_pair
 from ondevice.results import Chunk, GenerationResult
+from ondevice.rules.sampling import Grammar, SamplingParams, Transform
 from ondevice.runtime.coreml_engines import fall_back
-from ondevice.runtime.decoders import METHODS as METHODS
-from ondevice.runtime.decoders import check_method, make_decoder
 from ondevice.runtime.drift import DriftMonitor, check_domain, read_baseline, state_key
 from ondevice.runtime.engines import (
     DRAFT_BACKENDS,
@@ -33,9 +34,8 @@ from ondevice.runtime.engines import (
 from ondevice.runtime.memory import apply_metal_limits, param_bytes
 from ondevice.runtime.placement import Placement, place_draft
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
-from ondevice.speculative.sampling import Grammar, SamplingParams, Transform
+from ondevice.runtime.worker import Worker
 from ondevice.streaming import decode_chunks
-from ondevice.worker import Worker
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 # Draft backends on other hardware than the verifier, where overlapping the two pays; see
@@ -152,7 +152,7 @@ class Generator:
         self._fingerprints: dict[str, str] | None = None
         self._marks: tuple[str | None, str, tuple[str, ...]] | None = None  # _template_marks
         # the pair's rolling acceptance against the one its bundle recorded (runtime/drift.py)
-        from ondevice.models.hub import cache_dir
+        from ondevice.sources.hub import cache_dir
 
         drafts = pair.mlpackage or (pair.draft.path if pair.draft else None)
         self.drift = DriftMonitor(
@@ -252,7 +252,7 @@ class Generator:
         expression. Both models' distributions are masked by it, so speculation stays exact for
         the constrained law. A grammar that no token of the vocabulary can begin is refused
         here; one that reaches such a state later ends its generation with a GrammarError."""
-        from ondevice.speculative import grammar as g
+        from ondevice.rules import grammar as g
 
         if sum(x is not None for x in (json_schema, lark, regex, gbnf)) != 1:
             raise OndeviceError("give exactly one of json_schema, lark, gbnf or regex.")
@@ -315,7 +315,7 @@ class Generator:
         holds (`stats["cached_tokens"]`), and keep this generation's KV there; the tokens are
         the same either way.
         min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias and
-        grammar (`speculative.grammar`) transform the distribution of the verifier and of the
+        grammar (`rules.grammar`) transform the distribution of the verifier and of the
         draft alike, so speculation stays exact for the transformed law. logprobs: report the
         verifier's log-probabilities of the emitted tokens (and of the `logprobs` most likely).
         tools, chat_template_kwargs: passed to the chat template (see `encode_prompt`).
@@ -524,7 +524,7 @@ class Generator:
             )
 
         def work() -> None:
-            from ondevice.speculative.engine import prefill
+            from ondevice.rules.engine import prefill
 
             self.prompt_cache.restore(ids, self.verifier, self.draft)
             try:
@@ -655,7 +655,7 @@ def load(
         )
     if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
         raise OndeviceError(f"unknown dtype {dtype!r}; choose float32, float16 or bfloat16.")
-    from ondevice.models.hub import resolve
+    from ondevice.sources.hub import resolve
 
     if dequantize is None:
         dequantize = quantize is None and mx.default_device() == mx.cpu

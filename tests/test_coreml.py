@@ -344,12 +344,12 @@ def test_truncated_vocabulary_draft_converts_only_its_rows(tmp):
     through the package stays exactly the verifier's greedy output."""
     from tiny import make_config, random_weights
 
+    from ondevice.decoders.chain import SpeculativeDecoder
+    from ondevice.decoders.registry import make_decoder
     from ondevice.models.config import ModelConfig
     from ondevice.models.weights import build_model
-    from ondevice.runtime.decoders import make_decoder
+    from ondevice.rules.sampling import SamplingParams
     from ondevice.runtime.engines import MLXEngine
-    from ondevice.speculative.decoder import SpeculativeDecoder
-    from ondevice.speculative.sampling import SamplingParams
 
     raw = make_config(tie=True)
     K = raw["vocab_size"] // 2

@@ -18,11 +18,11 @@ from test_pipeline import Slow
 
 import ondevice
 import ondevice.api
+from ondevice.decoders.chain import SpeculativeDecoder
+from ondevice.decoders.pipelined import PipelinedDecoder
 from ondevice.models import load_model
+from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.engines import MLXEngine
-from ondevice.runtime.pipeline import PipelinedDecoder
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams
 
 
 def _generation_threads() -> list[threading.Thread]:

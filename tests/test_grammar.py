@@ -13,14 +13,14 @@ from support.engines import MemoEngine, TableEngine
 from support.stats import chi_square_p, exact_joint
 
 import ondevice
+from ondevice.decoders.chain import SpeculativeDecoder
+from ondevice.decoders.pipelined import PipelinedDecoder
+from ondevice.decoders.registry import make_decoder
 from ondevice.errors import OndeviceError
 from ondevice.models import load_model
 from ondevice.models.tokenizer import Tokenizer
-from ondevice.runtime.decoders import make_decoder
-from ondevice.runtime.pipeline import PipelinedDecoder
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.grammar import Grammar, GrammarError, ll_tokenizer
-from ondevice.speculative.sampling import SamplingParams
+from ondevice.rules.grammar import Grammar, GrammarError, ll_tokenizer
+from ondevice.rules.sampling import SamplingParams
 
 # over the vocabulary of tiny.write_tokenizer(vocab_size=16): a=5, b=6, c..h=7..12, EOS=2.
 # Which tokens may follow depends on the first one, so the mask depends on the context.
@@ -205,7 +205,7 @@ def test_constrained_chain_and_pipeline_match_the_masked_law(tables, grammar16, 
 @pytest.mark.slow
 def test_a_verifier_that_ignores_the_mask_fails(tables, grammar16, monkeypatch):
     """The draft masked, the verifier not: the output leaves the constrained law."""
-    from ondevice.speculative import decoder
+    from ondevice.decoders import chain as decoder
 
     ver, dra = tables
     params = SamplingParams(1.0, grammar=grammar16)

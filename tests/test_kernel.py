@@ -11,11 +11,11 @@ import pytest
 import tiny
 
 import ondevice
+from ondevice.decoders.chain import SpeculativeDecoder
 from ondevice.models import load_model
+from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime import blas, kernel
 from ondevice.runtime.engines import MLXEngine, TimedEngine
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(
     not kernel.available(), reason=f"no CPU kernel here: {kernel._unavailable or 'not on the CPU'}"

@@ -14,12 +14,12 @@ from support.engines import TableEngine
 from support.stats import chi_square_p, exact_joint
 from test_tree import ALL_TRANSFORMS
 
+from ondevice.decoders.chain import SpeculativeDecoder
+from ondevice.decoders.pipelined import PipelinedDecoder
 from ondevice.models import load_model
+from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.costmodel import CostModel
 from ondevice.runtime.engines import MLXEngine, TimedEngine
-from ondevice.runtime.pipeline import PipelinedDecoder
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams
 
 GREEDY = SamplingParams(0.0)
 SAMPLE = SamplingParams(1.0)

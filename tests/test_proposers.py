@@ -11,16 +11,16 @@ import pytest
 from support.engines import TableEngine, TreeTableEngine
 from support.enumeration import law
 
-from ondevice.runtime.auto import AutoProposer
-from ondevice.runtime.treecost import CostProfile, best_size, engine_key, load_profile
-from ondevice.speculative.cascade import CascadeProposer
-from ondevice.speculative.draft_tree import DraftState, DraftTreeProposer
-from ondevice.speculative.lookahead import Lookahead
-from ondevice.speculative.lookup import AcceptanceModel, NgramIndex, PromptLookup
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.proposers import NoProposal
-from ondevice.speculative.sampling import SamplingParams
-from ondevice.speculative.tree import TokenTree
+from ondevice.proposers.auto import AutoProposer
+from ondevice.proposers.base import NoProposal
+from ondevice.proposers.cascade import CascadeProposer
+from ondevice.proposers.draft_tree import DraftState, DraftTreeProposer
+from ondevice.proposers.lookahead import Lookahead
+from ondevice.proposers.lookup import AcceptanceModel, NgramIndex, PromptLookup
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.sampling import SamplingParams
+from ondevice.rules.token_tree import TokenTree
+from ondevice.runtime.pass_costs import CostProfile, best_size, engine_key, load_profile
 
 V = 12
 
@@ -160,7 +160,7 @@ def test_dynamic_tree_grows_only_as_deep_as_the_costs_pay():
     draft is not asked for levels the pass could not afford to check; where a pass over 3 to 8
     tokens costs about the same but far more than over 2 (MKL on 2 cores), one more level does
     not pay but several do, so it grows deep; on a flat, GPU-like profile too."""
-    from ondevice.runtime.decoders import _rate
+    from ondevice.decoders.registry import _rate
 
     steep = CostProfile([1, 2, 3, 4], [0.26, 0.28, 0.39, 0.49])
     step = CostProfile([1, 2, 3, 8], [0.198, 0.272, 0.46, 0.516])  # the 1.5B verifier, MKL

@@ -11,11 +11,11 @@ import tiny
 from test_server import LiveServer, write_model
 
 import ondevice
+from ondevice.decoders.chain import SpeculativeDecoder
+from ondevice.decoders.registry import make_decoder
 from ondevice.errors import OndeviceError
-from ondevice.runtime.decoders import make_decoder
+from ondevice.rules.sampling import SamplingParams, Transform, probabilities
 from ondevice.runtime.engines import MLXEngine
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams, Transform, probabilities
 
 LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
 
@@ -107,7 +107,7 @@ def test_greedy_with_penalties_equals_the_verifier_alone(gen, method):
     ref = _plain(gen, prompt, 40, params)
     assert ref != _plain(gen, prompt, 40, SamplingParams(0.0))
     if method == "pipeline":
-        from ondevice.runtime.pipeline import PipelinedDecoder
+        from ondevice.decoders.pipelined import PipelinedDecoder
 
         dec = PipelinedDecoder(gen.verifier, gen.draft, params, num_draft_tokens=3)
     else:

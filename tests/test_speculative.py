@@ -15,11 +15,11 @@ from support.enumeration import assert_emits_the_verifier_law, law, random_dist
 from support.stats import chi_square_p, exact_joint
 
 import ondevice
+from ondevice.decoders.chain import SpeculativeDecoder
 from ondevice.errors import ContextLengthError, OndeviceError, TokenizerMismatchError
 from ondevice.models import load_model
-from ondevice.speculative import accept
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams, probabilities
+from ondevice.rules import accept
+from ondevice.rules.sampling import SamplingParams, probabilities
 
 PROMPTS = [
     "hello world",
@@ -327,7 +327,7 @@ def test_a_verifier_blind_to_drafted_tokens_fails_the_distribution_test(
 ):
     """Penalties depend on the drafted tokens before a position: a verifier that scores every
     row with the committed context only (forgetting the drafts before it) is biased."""
-    from ondevice.speculative import decoder
+    from ondevice.decoders import chain as decoder
 
     ver, dra = small_vocab_pair
     params = TRANSFORMS["frequency"]

@@ -15,14 +15,14 @@ from support.engines import MemoEngine
 from support.enumeration import assert_emits_the_verifier_law, law, random_dist
 from support.stats import chi_square_p, exact_joint
 
+from ondevice.decoders.registry import METHODS, make_decoder
 from ondevice.models import load_model
-from ondevice.runtime.decoders import METHODS, make_decoder
+from ondevice.proposers.draft_tree import DraftState
+from ondevice.rules import accept
+from ondevice.rules.sampling import SamplingParams
+from ondevice.rules.token_tree import TokenTree, check_shape
 from ondevice.runtime.engines import MLXEngine, MLXTreeEngine
-from ondevice.runtime.treecost import SIZES, CostProfile, device_name, engine_key, profile_path
-from ondevice.speculative import accept
-from ondevice.speculative.draft_tree import DraftState
-from ondevice.speculative.sampling import SamplingParams
-from ondevice.speculative.tree import TokenTree, check_shape
+from ondevice.runtime.pass_costs import SIZES, CostProfile, device_name, engine_key, profile_path
 
 # -- structure -------------------------------------------------------------------------------------
 

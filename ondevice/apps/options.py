@@ -102,7 +102,7 @@ def use_default_pair(args: argparse.Namespace) -> None:
     if getattr(args, "draft", None):
         raise OndeviceError("--draft needs --model: name the verifier it drafts for.")
     from ondevice.apps.demo import ensure_bundle
-    from ondevice.models.catalog import load_catalog
+    from ondevice.sources.catalog import load_catalog
 
     pair = load_catalog().pair()
     print(f"[ondevice] no --model: using the default pair {pair.name}", file=sys.stderr)

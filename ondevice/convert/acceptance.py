@@ -46,9 +46,9 @@ def measure(
     """The manifest's `acceptance` section: per domain, the accepted positions, the rounds cut
     short and the tokens of a greedy chain generation of `max_tokens` from its prompt (cut to
     fit both models' context). `verifier` and `draft` are MLX models."""
-    from ondevice.runtime.decoders import make_decoder
+    from ondevice.decoders.registry import make_decoder
+    from ondevice.rules.sampling import SamplingParams
     from ondevice.runtime.engines import MLXEngine
-    from ondevice.speculative.sampling import SamplingParams
 
     domains = {}
     for name, ids in prompts.items():

@@ -13,7 +13,7 @@ Reproducibility: random numbers are keyed by (seed, position) (`noise.py`), the 
 distribution at a position is bitwise the same whichever decoder built its cache (`catch_up`:
 one call per round where the draft is batch-invariant, else one token at a time after the
 prompt), and the block lengths depend only on tokens. The pipelined
-decoder (`runtime/pipeline.py`) shares `TokenChooser` and `DraftLength` with this one and so
+decoder (`decoders/pipelined.py`) shares `TokenChooser` and `DraftLength` with this one and so
 produces exactly its tokens for the same seed.
 """
 
@@ -24,11 +24,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ondevice.speculative import accept
-from ondevice.speculative.decoding import DecoderBase, DecodeStats, Round, Step
-from ondevice.speculative.engine import Engine, batch_invariant, prefill
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.sampling import (
+from ondevice.decoders.base import DecoderBase, DecodeStats, Round, Step
+from ondevice.rules import accept
+from ondevice.rules.engine import Engine, batch_invariant, prefill
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.sampling import (
     SamplingParams,
     TokenLogprob,
     Transform,
@@ -216,7 +216,7 @@ class TokenChooser:
 
 
 class ChainDecoder(DecoderBase):
-    """What the chain decoders (this one and `runtime/pipeline.py`'s) share: a draft engine, the
+    """What the chain decoders (this one and `decoders/pipelined.py`'s) share: a draft engine, the
     `TokenChooser` and the `DraftLength` schedule.
 
     rule: "leviathan" (default: Leviathan/Chen speculative sampling with position-keyed noise),

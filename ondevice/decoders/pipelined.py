@@ -46,13 +46,13 @@ from typing import Any
 
 import numpy as np
 
+from ondevice.decoders.base import Round, Step
+from ondevice.decoders.chain import ChainDecoder, block_length, catch_up
+from ondevice.rules.engine import Engine, batch_invariant, prefill
+from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime import threads
 from ondevice.runtime.costmodel import CostModel
 from ondevice.runtime.engines import innermost
-from ondevice.speculative.decoder import ChainDecoder, block_length, catch_up
-from ondevice.speculative.decoding import Round, Step
-from ondevice.speculative.engine import Engine, batch_invariant, prefill
-from ondevice.speculative.sampling import SamplingParams
 
 # -- running the verifier in the background ---------------------------------------------------
 

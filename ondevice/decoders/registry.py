@@ -8,7 +8,7 @@
   proposal sizes come from the measured cost of a verifier pass on this device (`treecost`)
   unless `num_draft_tokens` fixes them.
 
-Every decoder it returns is a `Decoder` (`speculative/decoding.py`), and a seed means the same
+Every decoder it returns is a `Decoder` (`decoders/base.py`), and a seed means the same
 for all of them (position-keyed noise).
 """
 
@@ -18,22 +18,22 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ondevice.decoders.base import Decoder
+from ondevice.decoders.chain import CustomRule, SpeculativeDecoder
+from ondevice.decoders.pipelined import PipelinedDecoder
+from ondevice.decoders.plain import PlainGreedyDecoder
+from ondevice.decoders.tree import Rule, TreeDecoder
 from ondevice.errors import OndeviceError
-from ondevice.runtime.auto import AutoProposer
+from ondevice.proposers.auto import AutoProposer
+from ondevice.proposers.base import NoProposal, Proposer
+from ondevice.proposers.cascade import CascadeProposer
+from ondevice.proposers.draft_tree import DraftState, DraftTreeProposer
+from ondevice.proposers.lookahead import Lookahead
+from ondevice.proposers.lookup import PromptLookup
+from ondevice.rules.engine import Engine
+from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.engines import MLXEngine, tree_engine
-from ondevice.runtime.pipeline import PipelinedDecoder
-from ondevice.runtime.plain import PlainGreedyDecoder
-from ondevice.runtime.tree_decoder import Rule, TreeDecoder
-from ondevice.runtime.treecost import CostProfile, best_rate, best_size, load_profile
-from ondevice.speculative.cascade import CascadeProposer
-from ondevice.speculative.decoder import CustomRule, SpeculativeDecoder
-from ondevice.speculative.decoding import Decoder
-from ondevice.speculative.draft_tree import DraftState, DraftTreeProposer
-from ondevice.speculative.engine import Engine
-from ondevice.speculative.lookahead import Lookahead
-from ondevice.speculative.lookup import PromptLookup
-from ondevice.speculative.proposers import NoProposal, Proposer
-from ondevice.speculative.sampling import SamplingParams
+from ondevice.runtime.pass_costs import CostProfile, best_rate, best_size, load_profile
 
 METHODS = ("chain", "tree", "pld", "lookahead", "cascade", "auto")
 NEEDS_DRAFT = ("tree", "cascade")  # chain without a draft is plain decoding

@@ -1,11 +1,11 @@
 """Tree decoding: one verifier pass scores a whole token tree, the accepted path is kept.
 
-`TreeDecoder` is a `Decoder` (`speculative/decoding.py`) with the invariants of the sequential
+`TreeDecoder` is a `Decoder` (`decoders/base.py`) with the invariants of the sequential
 `SpeculativeDecoder`: at the start of a round the verifier's cache holds seq[:-1]; the round feeds
 seq[-1] (the root) with every proposed node, at positions root + depth under a tree mask, and
 afterwards keeps only the root and the accepted path (`KVCache.keep`), so the cache again holds
 the committed sequence minus its last token. The acceptance rule is `accept.multi_draft` (greedy:
-`accept.greedy_tree`), with the position-keyed noise of `noise.py`. `runtime/decoders.py` builds
+`accept.greedy_tree`), with the position-keyed noise of `noise.py`. `decoders/registry.py` builds
 it for each method.
 """
 
@@ -16,16 +16,16 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ondevice.decoders.base import DecoderBase, Step
 from ondevice.errors import OndeviceError
+from ondevice.proposers.base import Proposer
+from ondevice.proposers.draft_tree import DraftState
+from ondevice.rules import accept
+from ondevice.rules.engine import Engine
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.sampling import SamplingParams, TokenLogprob, Transform, token_logprobs
+from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.engines import tree_engine
-from ondevice.speculative import accept
-from ondevice.speculative.decoding import DecoderBase, Step
-from ondevice.speculative.draft_tree import DraftState
-from ondevice.speculative.engine import Engine
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.proposers import Proposer
-from ondevice.speculative.sampling import SamplingParams, TokenLogprob, Transform, token_logprobs
-from ondevice.speculative.tree import TokenTree
 
 # rule(tree, p, at) -> (accepted nodes, next token); `accept.multi_draft` unless a test swaps it
 Rule = Callable[..., tuple[list[int], int]]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ondevice.runtime.treecost import CostProfile
-from ondevice.speculative.draft_tree import DraftState
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.proposers import Proposer
-from ondevice.speculative.tree import TokenTree
+from ondevice.proposers.base import Proposer
+from ondevice.proposers.draft_tree import DraftState
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.token_tree import TokenTree
+from ondevice.runtime.pass_costs import CostProfile
 
 
 class AutoProposer:

@@ -33,8 +33,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.tree import TokenTree
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.token_tree import TokenTree
 
 
 class Proposer(Protocol):

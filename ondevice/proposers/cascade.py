@@ -8,14 +8,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ondevice.speculative import accept
-from ondevice.speculative.draft_tree import DraftState
-from ondevice.speculative.engine import Engine
-from ondevice.speculative.lookup import AcceptanceModel, PromptLookup
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.proposers import BudgetFn, fixed_budget
-from ondevice.speculative.sampling import SamplingParams, Transform
-from ondevice.speculative.tree import TokenTree
+from ondevice.proposers.base import BudgetFn, fixed_budget
+from ondevice.proposers.draft_tree import DraftState
+from ondevice.proposers.lookup import AcceptanceModel, PromptLookup
+from ondevice.rules import accept
+from ondevice.rules.engine import Engine
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.sampling import SamplingParams, Transform
+from ondevice.rules.token_tree import TokenTree
 
 
 class CascadeProposer:

@@ -8,11 +8,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ondevice.speculative.engine import Engine
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.proposers import BudgetFn, RateFn, fixed_budget
-from ondevice.speculative.sampling import SamplingParams, Transform, align, probabilities, sample
-from ondevice.speculative.tree import CHAIN_4, TokenTree, check_shape
+from ondevice.proposers.base import BudgetFn, RateFn, fixed_budget
+from ondevice.rules.engine import Engine
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.sampling import SamplingParams, Transform, align, probabilities, sample
+from ondevice.rules.token_tree import CHAIN_4, TokenTree, check_shape
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

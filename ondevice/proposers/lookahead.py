@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.tree import TokenTree
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.token_tree import TokenTree
 
 
 class Lookahead:

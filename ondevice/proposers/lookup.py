@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.proposers import BudgetFn, fixed_budget
-from ondevice.speculative.tree import TokenTree
+from ondevice.proposers.base import BudgetFn, fixed_budget
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.token_tree import TokenTree
 
 
 class NgramIndex:

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ondevice.speculative.sampling import sample
+from ondevice.rules.sampling import sample
 
 if TYPE_CHECKING:
-    from ondevice.speculative.tree import TokenTree
+    from ondevice.rules.token_tree import TokenTree
 
 __all__ = [
     "RULES",

@@ -26,7 +26,7 @@ import numpy as np
 
 
 class GrammarState(Protocol):
-    """A grammar bound to one generation (see `speculative/grammar.py`)."""
+    """A grammar bound to one generation (see `rules/grammar.py`)."""
 
     def allowed(self, generated: Sequence[int]) -> np.ndarray | None:
         """Boolean mask (vocab,) of the tokens allowed after `generated` (the tokens after the

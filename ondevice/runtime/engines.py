@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ondevice.models.transformer import Model
+from ondevice.rules.engine import Engine
 from ondevice.runtime import kernel
 from ondevice.runtime.coreml_engines import (  # noqa: F401  (their old home)
     FALLBACK_RECORD,
@@ -25,7 +26,6 @@ from ondevice.runtime.coreml_engines import (  # noqa: F401  (their old home)
     coreml_status,
     fall_back,
 )
-from ondevice.speculative.engine import Engine
 
 __all__ = [
     "DRAFT_BACKENDS",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.speculative.engine import Engine
+from ondevice.rules.engine import Engine
 
 # Small sizes finely (on a CPU the choice between 1, 2 and 3 drafts hinges on them), large ones
 # coarsely (only a GPU, where a pass costs about the same up to dozens of tokens, reaches them).
@@ -136,7 +136,7 @@ def engine_key(engine: Engine) -> str:
 
 
 def profile_path(device: str, key: str) -> Path:
-    from ondevice.models.hub import cache_dir
+    from ondevice.sources.hub import cache_dir
 
     dev = hashlib.sha256(device.encode()).hexdigest()[:12]
     return cache_dir() / "profiles" / f"{key}-{dev}.json"

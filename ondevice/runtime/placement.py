@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ondevice.rules.engine import Engine
 from ondevice.runtime.costmodel import CostModel
-from ondevice.runtime.treecost import CostProfile, load_profile
-from ondevice.speculative.engine import Engine
+from ondevice.runtime.pass_costs import CostProfile, load_profile
 
 # Draft backends that run on other silicon than an MLX verifier, so drafting ahead while the
 # verifier checks costs the verifier nothing (the Neural Engine beside the GPU).

@@ -1,4 +1,4 @@
-"""Stand-in engines: objects with the engine protocol (`ondevice.speculative.engine.Engine`)
+"""Stand-in engines: objects with the engine protocol (`ondevice.rules.engine.Engine`)
 whose answers a test knows exactly, or gets cheaply.
 
 - `TableEngine` stands in for a language model with a known law: numpy only, the logits after
