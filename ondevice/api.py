@@ -15,11 +15,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from ondevice.decoders.factory import make_decoder
 from ondevice.decoders.registry import METHODS as METHODS
-from ondevice.decoders.registry import check_method, make_decoder
+from ondevice.decoders.registry import method
 from ondevice.errors import CoreMLRuntimeError, CoreMLUnavailableError, OndeviceError
 from ondevice.models import LoadedModel, load_model
 from ondevice.models.tokenizer import RESERVED_TEMPLATE_ARGS, Tokenizer, check_pair
+from ondevice.proposers.resources import Speculation
 from ondevice.results import Chunk, GenerationResult
 from ondevice.rules.sampling import Grammar, SamplingParams, Transform
 from ondevice.runtime.coreml_engines import fall_back
@@ -32,15 +34,12 @@ from ondevice.runtime.engines import (
     make_draft_engine,
 )
 from ondevice.runtime.memory import apply_metal_limits, param_bytes
-from ondevice.runtime.placement import Placement, place_draft
+from ondevice.runtime.placement import BESIDE_VERIFIER, Placement, place_draft
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
 from ondevice.runtime.worker import Worker
 from ondevice.streaming import decode_chunks
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
-# Draft backends on other hardware than the verifier, where overlapping the two pays; see
-# docs/benchmarks.md for the CPU measurements that decide the rest.
-PIPELINE_BY_DEFAULT = ("coreml",)
 
 
 @dataclass
@@ -161,6 +160,12 @@ class Generator:
             key=state_key(str(pair.verifier.path), str(drafts or "")),
             state_dir=cache_dir() / "drift",
         )
+
+    @property
+    def loaded_draft(self) -> LoadedModel | None:
+        """The draft as loaded (its MLX model, config, tokenizer and path), or None: no draft,
+        or a Core ML draft that won the placement and let its MLX twin go."""
+        return self._pair.draft
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -547,23 +552,26 @@ class Generator:
             lambda: self.prompt_cache.load_file(path, self.verifier, self.draft, fingerprints)
         )
 
-    def _decoder(self, params, seed, num_draft_tokens, speculative, method, pipeline):
-        check_method(method)  # also when speculative=False, which decodes plainly
-        if pipeline is None:
+    def _decoder(self, params, seed, num_draft_tokens, speculative, name, pipeline):
+        method(name)  # checked also when speculative=False, which decodes plainly
+        if pipeline is None:  # pipelined where the draft runs beside the verifier
             pipeline = (
                 self.placement.pipelined
                 if self.placement is not None
-                else self.draft_backend in PIPELINE_BY_DEFAULT
+                else self.draft_backend in BESIDE_VERIFIER
             )
+        spec = Speculation(
+            method=name if speculative else "chain",
+            num_draft_tokens=num_draft_tokens,
+            pipeline=pipeline,
+        )
         dec = make_decoder(
-            method if speculative else "chain",
             self.verifier,
             self.draft if speculative else None,
             params,
+            spec,
             eos_token_ids=self.tokenizer.eos_token_ids,
             seed=seed,
-            num_draft_tokens=num_draft_tokens,
-            pipeline=pipeline,
         )
         if not speculative:
             dec.skip_reason = "speculative=False"

@@ -345,9 +345,10 @@ def test_truncated_vocabulary_draft_converts_only_its_rows(tmp):
     from tiny import make_config, random_weights
 
     from ondevice.decoders.chain import SpeculativeDecoder
-    from ondevice.decoders.registry import make_decoder
+    from ondevice.decoders.factory import make_decoder
     from ondevice.models.config import ModelConfig
     from ondevice.models.weights import build_model
+    from ondevice.proposers.resources import Speculation
     from ondevice.rules.sampling import SamplingParams
     from ondevice.runtime.engines import MLXEngine
 
@@ -372,14 +373,8 @@ def test_truncated_vocabulary_draft_converts_only_its_rows(tmp):
     plain = SpeculativeDecoder(MLXEngine(verifier), None, greedy)
     want = [t for r in plain.run(tokens, 24) for t in r.tokens]
     for method in ("chain", "tree", "cascade"):
-        dec = make_decoder(
-            method,
-            MLXEngine(verifier),
-            ReferenceDraftEngine(pkg),
-            greedy,
-            num_draft_tokens=3,
-            profile=False,
-        )
+        spec = Speculation(method=method, num_draft_tokens=3, profile=False)
+        dec = make_decoder(MLXEngine(verifier), ReferenceDraftEngine(pkg), greedy, spec)
         rounds = list(dec.run(tokens, 24))
         assert [t for r in rounds for t in r.tokens] == want, method
         assert sum(r.accepted for r in rounds) > 0, method  # the draft (= the verifier) was used

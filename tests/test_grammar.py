@@ -14,11 +14,12 @@ from support.stats import chi_square_p, exact_joint
 
 import ondevice
 from ondevice.decoders.chain import SpeculativeDecoder
+from ondevice.decoders.factory import make_decoder
 from ondevice.decoders.pipelined import PipelinedDecoder
-from ondevice.decoders.registry import make_decoder
 from ondevice.errors import OndeviceError
 from ondevice.models import load_model
 from ondevice.models.tokenizer import Tokenizer
+from ondevice.proposers.resources import Speculation
 from ondevice.rules.grammar import Grammar, GrammarError, ll_tokenizer
 from ondevice.rules.sampling import SamplingParams
 
@@ -236,8 +237,8 @@ def test_constrained_tree_matches_the_masked_law(tmp_path, grammar16, mode):
 
     def tree(s):  # one seed per generation: a seed's randomness is keyed by position
         nonlocal accepted
-        dec = make_decoder("tree", ver, dra, params, seed=s, num_draft_tokens=2, profile=False,
-                           tree_mode=mode)  # fmt: skip
+        spec = Speculation(method="tree", num_draft_tokens=2, profile=False, tree_mode=mode)
+        dec = make_decoder(ver, dra, params, spec, seed=s)
         out: list[int] = []
         for r in dec.run(PROMPT, 3):
             out += r.tokens

@@ -160,7 +160,7 @@ def test_dynamic_tree_grows_only_as_deep_as_the_costs_pay():
     draft is not asked for levels the pass could not afford to check; where a pass over 3 to 8
     tokens costs about the same but far more than over 2 (MKL on 2 cores), one more level does
     not pay but several do, so it grows deep; on a flat, GPU-like profile too."""
-    from ondevice.decoders.registry import _rate
+    from ondevice.proposers.base import cost_rate as _rate
 
     steep = CostProfile([1, 2, 3, 4], [0.26, 0.28, 0.39, 0.49])
     step = CostProfile([1, 2, 3, 8], [0.198, 0.272, 0.46, 0.516])  # the 1.5B verifier, MKL

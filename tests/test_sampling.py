@@ -12,8 +12,9 @@ from test_server import LiveServer, write_model
 
 import ondevice
 from ondevice.decoders.chain import SpeculativeDecoder
-from ondevice.decoders.registry import make_decoder
+from ondevice.decoders.factory import make_decoder
 from ondevice.errors import OndeviceError
+from ondevice.proposers.resources import Speculation
 from ondevice.rules.sampling import SamplingParams, Transform, probabilities
 from ondevice.runtime.engines import MLXEngine
 
@@ -111,9 +112,8 @@ def test_greedy_with_penalties_equals_the_verifier_alone(gen, method):
 
         dec = PipelinedDecoder(gen.verifier, gen.draft, params, num_draft_tokens=3)
     else:
-        dec = make_decoder(
-            method, gen.verifier, gen.draft, params, num_draft_tokens=3, profile=False
-        )
+        spec = Speculation(method=method, num_draft_tokens=3, profile=False)
+        dec = make_decoder(gen.verifier, gen.draft, params, spec)
     got = [t for r in dec.run(prompt, 40) for t in r.tokens]
     assert got == ref
     assert dec.stats.accepted > 0

@@ -16,6 +16,7 @@ from support.stats import chi_square_p, exact_joint
 
 import ondevice
 from ondevice.decoders.chain import SpeculativeDecoder
+from ondevice.decoders.registry import METHODS
 from ondevice.errors import ContextLengthError, OndeviceError, TokenizerMismatchError
 from ondevice.models import load_model
 from ondevice.rules import accept
@@ -399,7 +400,7 @@ def test_repeated_astream_calls_do_not_accumulate_native_threads(gen, pipeline):
     assert later <= warm, (warm, later)
 
 
-@pytest.mark.parametrize("method", ["chain", "tree", "pld", "lookahead", "cascade", "auto"])
+@pytest.mark.parametrize("method", list(METHODS))
 def test_every_method_through_the_api_is_lossless(gen, method):
     for prompt in ("hello world hello world", "abcabcabc", "the cat sat"):
         plain = gen.generate(prompt, max_tokens=24, speculative=False)

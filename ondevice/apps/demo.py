@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--method",
         default="auto",
-        choices=options.METHODS,
+        choices=list(options.METHODS),
         help="speculation method (default: auto, which picks per round among the draft, prompt "
         "lookup and plain steps by measured acceptance and cost)",
     )

@@ -13,13 +13,14 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ondevice.decoders.registry import METHODS
 from ondevice.errors import OndeviceError
 
 if TYPE_CHECKING:
     from ondevice.api import Generator
 
-# the same lists as ondevice.api.METHODS, runtime.engines.DRAFT_BACKENDS and load()'s dtypes
-METHODS = ("chain", "tree", "pld", "lookahead", "cascade", "auto")
+# the same lists as runtime.engines.DRAFT_BACKENDS and load()'s dtypes (test_options checks);
+# the methods are the registry's (decoders/registry.py)
 DRAFT_BACKENDS = ("auto", "coreml", "reference", "mlx")
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZE_BITS = (4, 8)
@@ -206,8 +207,10 @@ def add_method_arguments(p: Any, default: str = "chain") -> None:
     p.add_argument(
         "--method",
         default=default,
-        choices=METHODS,
-        help=f"how tokens are proposed; pld and lookahead need no draft (default: {default})",
+        choices=list(METHODS),
+        help="how tokens are proposed: "
+        + "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
+        + f" (default: {default})",
     )
     p.add_argument(
         "--pipeline",

@@ -1,12 +1,14 @@
 """`auto`: the proposer that picks, each round, among other proposers by measured acceptance and
-the estimated cost of their rounds (cost profiles, `treecost`)."""
+the estimated cost of their rounds (cost profiles, `runtime/pass_costs.py`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ondevice.proposers.base import Proposer
-from ondevice.proposers.draft_tree import DraftState
+from ondevice.proposers import cascade, lookahead, lookup
+from ondevice.proposers.base import NoProposal, Proposer
+from ondevice.proposers.draft_tree import DraftState, build_chain, build_tree
+from ondevice.proposers.resources import Resources, Speculation
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.pass_costs import CostProfile
@@ -118,3 +120,16 @@ class AutoProposer:
         self.tried[i] += 1
         self.round += 1
         self.last_tried[i] = self.round
+
+
+def build(res: Resources, spec: Speculation) -> AutoProposer:
+    """The "auto" method: plain steps, prompt lookup and, with a draft, its chain, its tree and
+    the cascade (without one, lookahead); num_draft_tokens fixes each candidate's size."""
+    cands: list[Proposer] = [NoProposal(), lookup.build(res, spec)]
+    if res.draft is not None:
+        cands += [build_chain(res, spec), build_tree(res, spec), cascade.build(res, spec)]
+    else:
+        cands += [lookahead.build(res, spec)]
+    # unprofiled: every pass costs the same
+    vcost = res.verify_cost if res.verify_cost is not None else CostProfile([1], [1.0])
+    return AutoProposer(cands, vcost, [res.draft] if res.draft is not None else [])

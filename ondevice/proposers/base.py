@@ -35,6 +35,7 @@ import numpy as np
 
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
+from ondevice.runtime.pass_costs import CostProfile, best_rate, best_size
 
 
 class Proposer(Protocol):
@@ -56,12 +57,29 @@ class Proposer(Protocol):
 
 BudgetFn = Callable[[np.ndarray], int]
 # (acceptance estimates of the candidate nodes, seconds of drafting spent) -> the best tokens per
-# second a verifier pass over some of them can give (see `runtime/treecost.best_rate`)
+# second a verifier pass over some of them can give (see `runtime/pass_costs.best_rate`)
 RateFn = Callable[[np.ndarray, float], float]
 
 
 def fixed_budget(n: int) -> BudgetFn:
     return lambda values: n
+
+
+def cost_budget(
+    verify: CostProfile | None, fixed: float = 0.0, per_node: float = 0.0, cap: int = 64
+) -> BudgetFn:
+    """A budget function from the verifier's cost profile (None: a fixed default of 8)."""
+    if verify is None:
+        return lambda values: min(len(values), 8)
+    return lambda values: best_size(np.asarray(values)[:cap], verify, fixed, per_node)
+
+
+def cost_rate(verify: CostProfile | None, fixed: float = 0.0, cap: int = 64) -> RateFn | None:
+    """The best tokens per second over candidate values after `spent` seconds of drafting
+    beyond `fixed` (None without a profile: trees then grow to their full depth)."""
+    if verify is None:
+        return None
+    return lambda values, spent: best_rate(np.asarray(values)[:cap], verify, fixed + spent)[1]
 
 
 class NoProposal:

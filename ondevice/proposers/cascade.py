@@ -5,10 +5,11 @@ chain is still an exact sample of the draft."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ondevice.proposers.base import BudgetFn, fixed_budget
+from ondevice.proposers.base import BudgetFn, cost_budget, fixed_budget
 from ondevice.proposers.draft_tree import DraftState
 from ondevice.proposers.lookup import AcceptanceModel, PromptLookup
 from ondevice.rules import accept
@@ -16,6 +17,9 @@ from ondevice.rules.engine import Engine
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.sampling import SamplingParams, Transform
 from ondevice.rules.token_tree import TokenTree
+
+if TYPE_CHECKING:
+    from ondevice.proposers.resources import Resources, Speculation
 
 
 class CascadeProposer:
@@ -114,3 +118,11 @@ class CascadeProposer:
     def observe(self, seq, tree, path, token, target) -> None:
         if self._k:
             self.model.update(self._k, len(path))
+
+
+def build(res: Resources, spec: Speculation) -> CascadeProposer:
+    """The "cascade" method: num_draft_tokens fixes the draft chain's length; otherwise the
+    verifier's pass costs size it (at most 12)."""
+    k = spec.num_draft_tokens
+    budget = k if k else cost_budget(res.verify_cost, per_node=res.draft_pass(1), cap=12)
+    return CascadeProposer(res.draft, res.vocab, res.params, budget=budget)

@@ -5,14 +5,18 @@ children are the draft's top-k, or i.i.d. samples for sampled static trees, Spec
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ondevice.proposers.base import BudgetFn, RateFn, fixed_budget
+from ondevice.proposers.base import BudgetFn, RateFn, cost_budget, cost_rate, fixed_budget
 from ondevice.rules.engine import Engine
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.sampling import SamplingParams, Transform, align, probabilities, sample
 from ondevice.rules.token_tree import CHAIN_4, TokenTree, check_shape
+
+if TYPE_CHECKING:
+    from ondevice.proposers.resources import Resources, Speculation
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -396,3 +400,36 @@ class DraftTreeProposer:
             tried = self._depth_pred > 0
             self.predicted += self._depth_pred
             self.realised += tried & (depths >= 1) & (depths <= len(path))
+
+
+# -- builders: the tuning of each use, kept with the proposer -------------------------------------
+
+
+def build_tree(res: Resources, spec: Speculation) -> DraftTreeProposer:
+    """The "tree" method: a dynamic tree of the draft's top-4 expansions, num_draft_tokens deep
+    (default 6), sized by the verifier's pass costs; or, with tree_mode "sampled", a static
+    tree of i.i.d. draft samples (a chain of that depth plus four side branches)."""
+    depth, topk = spec.num_draft_tokens or 6, 4
+    if spec.tree_mode == "sampled":
+        shape = [(0,) * d for d in range(1, depth + 1)] + [(1,), (2,), (0, 1), (1, 0)]
+        return DraftTreeProposer(
+            res.draft, res.vocab, res.params, mode="static", shape=shape, sampled=True
+        )
+    fixed = res.draft_pass(1)  # the draft catching up: once per round
+    return DraftTreeProposer(
+        res.draft, res.vocab, res.params, mode="dynamic", depth=depth, topk=topk,
+        budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass(topk),
+        rate=cost_rate(res.verify_cost, fixed),
+    )  # fmt: skip
+
+
+def build_chain(res: Resources, spec: Speculation) -> DraftTreeProposer:
+    """`auto`'s draft chain: a one-child-per-level tree (the draft's greedy chain, default 8
+    deep), as long as the cost profiles say its confidence pays (a strong draft agrees for many
+    tokens: this is what wins then)."""
+    fixed = res.draft_pass(1)
+    return DraftTreeProposer(
+        res.draft, res.vocab, res.params, mode="dynamic", depth=spec.num_draft_tokens or 8,
+        topk=1, budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass(1),
+        rate=cost_rate(res.verify_cost, fixed), name="chain",
+    )  # fmt: skip
