@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import numbers
 import threading
 import time
 import weakref
@@ -15,15 +14,22 @@ from typing import Any
 
 import mlx.core as mx
 
+from ondevice.decoders import registry
 from ondevice.decoders.factory import make_decoder
 from ondevice.decoders.registry import METHODS as METHODS
-from ondevice.decoders.registry import method
 from ondevice.errors import CoreMLRuntimeError, CoreMLUnavailableError, OndeviceError
 from ondevice.models import LoadedModel, load_model
 from ondevice.models.tokenizer import RESERVED_TEMPLATE_ARGS, Tokenizer, check_pair
 from ondevice.proposers.resources import Speculation
 from ondevice.results import Chunk, GenerationResult
-from ondevice.rules.sampling import Grammar, SamplingParams, Transform
+from ondevice.rules.sampling import (
+    SAMPLING_FIELDS,
+    Grammar,
+    SamplingParams,
+    Transform,
+    check_int,
+    check_kind,
+)
 from ondevice.runtime.coreml_engines import fall_back
 from ondevice.runtime.drift import DriftMonitor, check_domain, read_baseline, state_key
 from ondevice.runtime.engines import (
@@ -53,28 +59,23 @@ class _Pair:
 
 def _check_int(name: str, value: Any, low: int, none_ok: bool = False) -> None:
     """OndeviceError unless `value` is an int >= `low` (or None, if allowed)."""
-    if value is None and none_ok:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise OndeviceError(f"{name} must be an integer >= {low}, got {value!r}.")
+    try:
+        check_int(name, value, low, none_ok)
+    except ValueError as e:
+        raise OndeviceError(str(e)) from None
 
 
 def _check_type(name: str, value: Any, types: type | tuple[type, ...], what: str) -> None:
-    types = types if isinstance(types, tuple) else (types,)
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        raise OndeviceError(f"{name} must be {what}, got {value!r}.")
+    try:
+        check_kind(name, value, types, what)
+    except ValueError as e:
+        raise OndeviceError(str(e)) from None
 
 
 def _check_options(options: dict[str, Any]) -> None:
-    """OndeviceError naming the first of `Generator.stream`'s options of the wrong type: a
-    string where a number belongs ("0.7") or a number where a flag belongs is refused here, not
-    coerced (their ranges are checked by `SamplingParams`)."""
-    number = numbers.Real  # numpy's scalars too; not str, not bool
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"):  # fmt: skip
-        _check_type(name, options[name], number, "a number")
-    _check_int("top_k", options["top_k"], 0)
-    _check_int("logprobs", options["logprobs"], 0, none_ok=True)
+    """OndeviceError naming the first of `Generator.stream`'s options (other than the sampling
+    fields, which `SamplingParams.from_options` checks) of the wrong type: a number where a flag
+    belongs is refused here, not coerced."""
     for flag in ("speculative", "chat_template", "cache_prompt"):
         _check_type(flag, options[flag], bool, "True or False")
     _check_type("pipeline", options["pipeline"], (bool, type(None)), "True, False or None")
@@ -88,11 +89,14 @@ def _check_options(options: dict[str, Any]) -> None:
             f"chat_template_kwargs: {reserved[0]!r} is reserved (an argument of the chat "
             "template function itself); rename it."
         )
-    bias = options["logit_bias"] or {}
-    _check_type("logit_bias", bias, dict, "a dict of token id -> bias")
-    for token, value in bias.items():
-        _check_int("logit_bias token id", token, 0)
-        _check_type(f"logit_bias[{token}]", value, number, "a number")
+    _check_int("max_tokens", options["max_tokens"], 0)
+    _check_int("num_draft_tokens", options["num_draft_tokens"], 0, none_ok=True)
+    _check_int("seed", options["seed"], 0, none_ok=True)
+    stop = options["stop"]
+    if not (stop is None or isinstance(stop, str) or (
+        isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)
+    )):  # fmt: skip
+        raise OndeviceError(f"stop must be a string or a list of strings, got {stop!r}.")
 
 
 class Generator:
@@ -281,49 +285,48 @@ class Generator:
     def stream(
         self,
         prompt: Prompt,
+        *,
         max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
         seed: int | None = None,
-        num_draft_tokens: int | None = None,
-        speculative: bool = True,
         stop: str | Sequence[str] | None = None,
-        chat_template: bool = True,
+        speculative: bool = True,
         method: str = "chain",
+        num_draft_tokens: int | None = None,
         pipeline: bool | None = None,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logit_bias: dict[int, float] | None = None,
-        logprobs: int | None = None,
-        grammar: Grammar | None = None,
+        chat_template: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         cache_prompt: bool = True,
         domain: str | None = None,
         hide_tokens: Collection[int] = (),
         _cancel: threading.Event | None = None,
+        **sampling: Any,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are decided; the last chunk carries finish_reason and stats.
 
-        method: "chain" (a draft chain, the default), "tree" (a token tree verified in one
-        pass), "pld" (prompt lookup, no draft needed), "lookahead" (no draft needed),
-        "cascade" (the draft itself sped up by prompt lookup) or "auto".
+        prompt: text, chat messages ([{"role", "content"}, ...]) or token ids.
+        max_tokens: at most this many new tokens. seed: the sampling seed (None: random; the
+        same seed and settings give the same tokens). stop: a string or strings that end the
+        answer (not included).
+        **sampling: the fields of `SamplingParams` (`SAMPLING_FIELDS`): temperature, top_p,
+        top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias
+        (token id -> bias), grammar (from `Generator.grammar`), logprobs (report the verifier's
+        log-probabilities of the emitted tokens, and of the `logprobs` most likely). Every one
+        transforms the distribution of the verifier and of the draft alike, so speculation
+        stays exact for the transformed law; unknown names are refused.
+        speculative: False runs the verifier alone. method: a name in `METHODS` (the registry,
+        `decoders/registry.py`: "chain" by default; "pld" and "lookahead" need no draft).
+        num_draft_tokens: None lets the runtime choose; what it fixes depends on the method.
         pipeline: overlap drafting with verification (chain only); None picks what is faster
         for the draft backend. With the same seed and settings the tokens are the same,
         pipelined or not; another method or num_draft_tokens may use the random draws
         differently (the same distribution, other samples); at temperature 0 every choice gives
         the verifier's greedy tokens.
+        chat_template: apply the model's chat template to text and messages; tools,
+        chat_template_kwargs: passed to it (see `encode_prompt`).
         cache_prompt: start from the longest prefix of the prompt whose KV the prompt cache
         holds (`stats["cached_tokens"]`), and keep this generation's KV there; the tokens are
         the same either way.
-        min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias and
-        grammar (`rules.grammar`) transform the distribution of the verifier and of the
-        draft alike, so speculation stays exact for the transformed law. logprobs: report the
-        verifier's log-probabilities of the emitted tokens (and of the `logprobs` most likely).
-        tools, chat_template_kwargs: passed to the chat template (see `encode_prompt`).
         domain: the kind of request ("code", "chat", "math", ...) whose draft acceptance this
         generation counts towards (see `acceptance_drift`); None counts it in one default bucket.
         hide_tokens: token ids whose text never appears in the chunks (special tokens, see
@@ -332,23 +335,19 @@ class Generator:
         turn, first come first served, and each gives the tokens it would give alone.
         """
         _check_options(locals())
+        unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise OndeviceError(
+                f"unknown option {unknown[0]!r}; the sampling options are "
+                f"{', '.join(SAMPLING_FIELDS)}."
+            )
         try:
-            params = SamplingParams(
-                float(temperature), float(top_p), int(top_k), float(min_p),
-                float(repetition_penalty), float(presence_penalty), float(frequency_penalty),
-                logit_bias or (), grammar, logprobs,
-            )  # fmt: skip
+            params = SamplingParams.from_options(sampling)
             Transform(params, self.verifier.vocab_size)  # token ids of logit_bias in range
-        except (ValueError, TypeError) as e:  # float(None), int("x"), ...
+        except (ValueError, TypeError) as e:
             raise OndeviceError(f"invalid sampling option: {e}") from None
-        _check_int("max_tokens", max_tokens, 0)
-        _check_int("num_draft_tokens", num_draft_tokens, 0, none_ok=True)
-        _check_int("seed", seed, 0, none_ok=True)
         domain = check_domain(domain)
-        if not (stop is None or isinstance(stop, str) or (
-            isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)
-        )):  # fmt: skip
-            raise OndeviceError(f"stop must be a string or a list of strings, got {stop!r}.")
+        registry.method(method)  # checked also when speculative=False, which decodes plainly
         ids = self.encode_prompt(
             prompt, chat_template, tools=tools, template_kwargs=chat_template_kwargs
         )
@@ -359,19 +358,21 @@ class Generator:
         cancel = _cancel or threading.Event()
 
         # greedy chain drafts are what the bundle's acceptance baseline measured
-        plain = (
-            params.temperature == 0
-            and grammar is None
-            and not logit_bias
-            and (repetition_penalty == 1 and presence_penalty == 0 and frequency_penalty == 0)
-        )
+        plain = params.greedy and params.plain
         comparable = speculative and self.draft is not None and method == "chain" and plain
         bucket = self.drift.bucket(domain) if comparable else None
 
         def job() -> Iterator[Chunk]:
             for retry in (False, True):
-                dec = self._decoder(params, seed, num_draft_tokens, speculative, method, pipeline)
                 draft = self.draft if speculative else None
+                # after a Core ML failure the draft backend, and so the pipelining, changed
+                spec = self._speculation(method, num_draft_tokens, pipeline, speculative)
+                dec = make_decoder(
+                    self.verifier, draft, params, spec,
+                    eos_token_ids=self.tokenizer.eos_token_ids, seed=seed,
+                )  # fmt: skip
+                if not speculative:
+                    dec.skip_reason = "speculative=False"
                 started = False
                 try:
                     for chunk in self._cached_stream(
@@ -552,30 +553,21 @@ class Generator:
             lambda: self.prompt_cache.load_file(path, self.verifier, self.draft, fingerprints)
         )
 
-    def _decoder(self, params, seed, num_draft_tokens, speculative, name, pipeline):
-        method(name)  # checked also when speculative=False, which decodes plainly
+    def _speculation(
+        self, name: str, num_draft_tokens: int | None, pipeline: bool | None, speculative: bool
+    ) -> Speculation:
+        """The speculation settings of one generation."""
         if pipeline is None:  # pipelined where the draft runs beside the verifier
             pipeline = (
                 self.placement.pipelined
                 if self.placement is not None
                 else self.draft_backend in BESIDE_VERIFIER
             )
-        spec = Speculation(
+        return Speculation(
             method=name if speculative else "chain",
             num_draft_tokens=num_draft_tokens,
             pipeline=pipeline,
         )
-        dec = make_decoder(
-            self.verifier,
-            self.draft if speculative else None,
-            params,
-            spec,
-            eos_token_ids=self.tokenizer.eos_token_ids,
-            seed=seed,
-        )
-        if not speculative:
-            dec.skip_reason = "speculative=False"
-        return dec
 
     def _stream(self, dec, ids, max_tokens, stops, cancel, hidden=frozenset()):
         detok = self.tokenizer.detokenizer(hidden)

@@ -158,17 +158,25 @@ def add_sampling_arguments(p: Any, *, temp: float = 0.0, max_tokens: int = 256) 
     p.add_argument("--no-speculative", action="store_true", help="run the verifier alone")
 
 
+# sampling fields whose flag is spelled otherwise (mlx-lm's --temp), and those no flag sets
+# (a grammar and logit_bias are objects, logprobs a report the commands do not print)
+SAMPLING_DEST = {"temperature": "temp"}
+NO_SAMPLING_FLAG = ("grammar", "logit_bias", "logprobs")
+
+
 def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
-    """`Generator.stream` keyword arguments from `add_sampling_arguments`' options."""
+    """`Generator.stream` keyword arguments from `add_sampling_arguments`' options: every
+    sampling field (`SAMPLING_FIELDS`) that has a flag, and the rest of the generation's."""
+    from ondevice.rules.sampling import SAMPLING_FIELDS
+
+    sampling = {
+        f: getattr(args, SAMPLING_DEST.get(f, f))
+        for f in SAMPLING_FIELDS
+        if f not in NO_SAMPLING_FLAG
+    }
     return {
         "max_tokens": args.max_tokens,
-        "temperature": args.temp,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "min_p": args.min_p,
-        "repetition_penalty": args.repetition_penalty,
-        "presence_penalty": args.presence_penalty,
-        "frequency_penalty": args.frequency_penalty,
+        **sampling,
         "seed": args.seed,
         "stop": args.stop,
         "num_draft_tokens": args.num_draft_tokens,

@@ -18,8 +18,9 @@ the generated tokens only.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,7 +40,13 @@ class Grammar(Protocol):
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """The sampling fields of one generation: the one list every front end derives from or is
+    checked against (`SAMPLING_FIELDS`: the API's keyword arguments, the server's request
+    fields, the CLI's flags, the chat's settings; tests/test_options.py checks them). All but
+    `temperature` are keyword-only, so adding a field shifts nothing."""
+
     temperature: float = 0.0
+    _: KW_ONLY
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
@@ -86,6 +93,30 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
 
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> SamplingParams:
+        """Sampling parameters from user options (field name -> value, any subset), their types
+        checked first: a string where a number belongs ("0.7") or a flag where a number
+        belongs is refused with a ValueError naming the field, not coerced."""
+        unknown = sorted(set(options) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown sampling option {unknown[0]!r}")
+        for f in fields(cls):
+            check = _NUMBER_CHECKS.get(f.name) or _INT_OR_NONE.get(f.name)
+            if f.name in options and check is not None:
+                check(f.name, options[f.name])
+        bias = options.get("logit_bias") or {}
+        check_kind("logit_bias", bias, dict, "a dict of token id -> bias")
+        for token, value in bias.items():
+            check_int("logit_bias token id", token, 0)
+            check_kind(f"logit_bias[{token}]", value, numbers.Real, "a number")
+        values = dict(options)
+        for name, kind in (("top_k", int), *((n, float) for n in _NUMBER_CHECKS if n != "top_k")):
+            if values.get(name) is not None:
+                values[name] = kind(values[name])
+        values["logit_bias"] = bias
+        return cls(**values)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -104,6 +135,37 @@ class SamplingParams:
     def plain(self) -> bool:
         """Only temperature / top-k / top-p / min-p: no logits to process before them."""
         return not self.contextual and not self.logit_bias
+
+
+# the fields of SamplingParams, in order (`_` is dataclasses' keyword-only marker, no field)
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+def check_kind(name: str, value: Any, types: type | tuple[type, ...], what: str) -> None:
+    """ValueError unless `value` is one of `types` (a bool only where bool is named)."""
+    types = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise ValueError(f"{name} must be {what}, got {value!r}.")
+
+
+def check_int(name: str, value: Any, low: int, none_ok: bool = False) -> None:
+    """ValueError unless `value` is an int >= `low` (or None, if allowed)."""
+    if value is None and none_ok:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+
+
+def _number(name: str, value: Any) -> None:
+    check_kind(name, value, numbers.Real, "a number")  # numpy's scalars too; not str, not bool
+
+
+_NUMBER_CHECKS = {
+    **dict.fromkeys(("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"), _number),
+    "top_k": lambda name, value: check_int(name, value, 0),
+}  # fmt: skip
+_INT_OR_NONE = {"logprobs": lambda name, value: check_int(name, value, 0, none_ok=True)}
 
 
 def align(logits: np.ndarray, vocab: int) -> np.ndarray:
