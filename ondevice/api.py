@@ -26,9 +26,9 @@ from ondevice.rules.sampling import (
     SAMPLING_FIELDS,
     Grammar,
     SamplingParams,
-    Transform,
     check_int,
     check_kind,
+    check_vocab,
 )
 from ondevice.runtime.coreml_engines import fall_back
 from ondevice.runtime.drift import DriftMonitor, check_domain, read_baseline, state_key
@@ -343,7 +343,7 @@ class Generator:
             )
         try:
             params = SamplingParams.from_options(sampling)
-            Transform(params, self.verifier.vocab_size)  # token ids of logit_bias in range
+            check_vocab(params, self.verifier.vocab_size)
         except (ValueError, TypeError) as e:
             raise OndeviceError(f"invalid sampling option: {e}") from None
         domain = check_domain(domain)

@@ -206,7 +206,7 @@ def test_constrained_chain_and_pipeline_match_the_masked_law(tables, grammar16, 
 @pytest.mark.slow
 def test_a_verifier_that_ignores_the_mask_fails(tables, grammar16, monkeypatch):
     """The draft masked, the verifier not: the output leaves the constrained law."""
-    from ondevice.decoders import chain as decoder
+    from ondevice.rules import chooser as decoder
 
     ver, dra = tables
     params = SamplingParams(1.0, grammar=grammar16)

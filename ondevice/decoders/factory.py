@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ondevice.decoders.base import Decoder
-from ondevice.decoders.chain import CustomRule, SpeculativeDecoder
+from ondevice.decoders.chain import SpeculativeDecoder
 from ondevice.decoders.pipelined import PipelinedDecoder
 from ondevice.decoders.plain import PlainGreedyDecoder
 from ondevice.decoders.registry import method
 from ondevice.decoders.tree import Rule, TreeDecoder
 from ondevice.errors import OndeviceError
 from ondevice.proposers.resources import Resources, Speculation
+from ondevice.rules.chooser import CustomRule
 from ondevice.rules.engine import Engine
 from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.engines import MLXEngine
@@ -58,9 +59,12 @@ def make_decoder(
             return plain
         chain = PipelinedDecoder if spec.pipeline else SpeculativeDecoder
         return chain(verifier, draft, params, num_draft_tokens=k, rule=rule, **opts)
-    res = Resources.build(verifier, draft, params, profile=spec.profile)
+    res = Resources.build(verifier, draft, params, seed=seed, profile=spec.profile)
     proposer = m.build_proposer(res, spec)
-    return TreeDecoder(res.verifier, proposer, params, rule=rule, draft_state=res.draft, **opts)
+    return TreeDecoder(
+        res.verifier, proposer, params, rule=rule, draft_state=res.draft, chooser=res.chooser,
+        eos_token_ids=eos_token_ids,
+    )  # fmt: skip
 
 
 def _plain(verifier: Engine, params: SamplingParams, rule: object, opts: dict) -> Decoder:

@@ -12,7 +12,7 @@ it for each method.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -21,14 +21,14 @@ from ondevice.errors import OndeviceError
 from ondevice.proposers.base import Proposer
 from ondevice.proposers.draft_tree import DraftState
 from ondevice.rules import accept
+from ondevice.rules.chooser import TokenChooser, TreeRule
 from ondevice.rules.engine import Engine
-from ondevice.rules.noise import PositionNoise
-from ondevice.rules.sampling import SamplingParams, TokenLogprob, Transform, token_logprobs
+from ondevice.rules.sampling import SamplingParams, TokenLogprob, token_logprobs
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.engines import tree_engine
 
 # rule(tree, p, at) -> (accepted nodes, next token); `accept.multi_draft` unless a test swaps it
-Rule = Callable[..., tuple[list[int], int]]
+Rule = TreeRule
 
 
 class TreeDecoder(DecoderBase):
@@ -44,7 +44,14 @@ class TreeDecoder(DecoderBase):
         seed: int | None = None,
         rule: Rule | None = None,
         draft_state: DraftState | None = None,
+        chooser: TokenChooser | None = None,
     ) -> None:
+        """verifier: a tree-capable engine (`runtime.engines.tree_engine` wraps MLX ones).
+        proposer: where each round's tree comes from. params: the sampling parameters.
+        seed: the position-keyed noise's seed. rule: the tree acceptance rule (tests swap it).
+        draft_state: the proposers' draft, if they have one (its cache follows the prompt
+        cache). chooser: the generation's token chooser, shared with the proposer (default:
+        a new one from params and seed)."""
         verifier = tree_engine(verifier)
         if not hasattr(verifier, "feed_masked"):
             raise OndeviceError(
@@ -54,8 +61,7 @@ class TreeDecoder(DecoderBase):
         self.proposer = proposer
         self.draft_state = draft_state  # the proposers' draft, if they have one
         self.params = params
-        self.transform = Transform(params, verifier.vocab_size)
-        self.noise = PositionNoise(seed)
+        self.chooser = chooser or TokenChooser(params, verifier.vocab_size, seed)
         # the sampling rule; replaceable so tests can show that a wrong rule is caught
         self.rule = rule or accept.multi_draft
         self._per_method = self.stats.extra.setdefault("rounds_by_method", {})
@@ -68,31 +74,16 @@ class TreeDecoder(DecoderBase):
         if resume and self.draft_state is not None:
             engine = self.draft_state.engine
             self.draft_state.resume(prompt[: min(engine.length, len(prompt) - 1)])
+        self.chooser.start(prompt)
         self.proposer.reset(prompt)
-        self.transform.start(prompt)
 
     def verify(self, seq: list[int], tree: TokenTree) -> tuple[list[int], int, np.ndarray]:
-        """Score the tree in one pass; return (accepted nodes, next token, argmax per node)."""
+        """Score the tree in one pass; return (accepted nodes, next token, argmax per node).
+        seq: the committed sequence (the tree's root is seq[-1])."""
         logits = self.verifier.feed_masked(
             tree.tokens, tree.positions(len(seq) - 1), tree.ancestors()
         )
-        tf = self.transform
-        # node i's context: the committed sequence and the tokens on the path to i
-        paths = [tree.path_tokens(n) for n in range(len(tree))] if tf.active else None
-        target = tf.argmax(logits, seq, paths) if tf.active else np.argmax(logits, -1)
-        if self.params.greedy:
-            path, tok = accept.greedy_tree(tree, target)
-        else:
-            rows: dict[int, np.ndarray] = {}
-
-            def p(node: int) -> np.ndarray:  # only the visited nodes' distributions
-                if node not in rows:
-                    ctx = [paths[node]] if paths is not None else [()]
-                    rows[node] = tf.probs(logits[node], seq, ctx)
-                return rows[node]
-
-            # the node at depth d decides position len(seq) + d
-            path, tok = self.rule(tree, p, self.noise.offsets(len(seq)))
+        path, tok, target = self.chooser.decide_tree(tree, logits, seq, self.rule)
         self.verifier.keep(len(tree), [0, *path])
         self._logits, self._nodes = logits, [0, *path]
         return path, tok, target
@@ -106,7 +97,7 @@ class TreeDecoder(DecoderBase):
         t = time.perf_counter()
         proposed = not self.no_room(room)
         if proposed:
-            tree = self.proposer.propose(seq, room - 1, self.noise)
+            tree = self.proposer.propose(seq, room - 1, self.chooser.noise)
         else:
             tree = TokenTree.root(seq[-1])
         t2 = time.perf_counter()

@@ -10,19 +10,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ondevice.proposers.base import BudgetFn, RateFn, cost_budget, cost_rate, fixed_budget
+from ondevice.rules.chooser import TokenChooser, as_chooser
 from ondevice.rules.engine import Engine
 from ondevice.rules.noise import PositionNoise
-from ondevice.rules.sampling import SamplingParams, Transform, align, probabilities, sample
+from ondevice.rules.sampling import SamplingParams, align, sample
 from ondevice.rules.token_tree import CHAIN_4, TokenTree, check_shape
 
 if TYPE_CHECKING:
     from ondevice.proposers.resources import Resources, Speculation
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.asarray(logits, np.float64)
-    z = np.exp(z - z.max(-1, keepdims=True))
-    return z / z.sum(-1, keepdims=True)
 
 
 # -- the draft model's cache ----------------------------------------------------------------------
@@ -209,7 +204,7 @@ class DraftTreeProposer:
         self,
         draft: Engine | DraftState,
         vocab: int,
-        params: SamplingParams,
+        params: SamplingParams | TokenChooser,
         *,
         mode: str = "dynamic",
         depth: int = 5,
@@ -226,15 +221,15 @@ class DraftTreeProposer:
         self.name = name
         self.state = draft if isinstance(draft, DraftState) else DraftState(draft, vocab)
         self.vocab = vocab
-        self.params = params
-        self.transform = Transform(params, vocab)
+        self.chooser = as_chooser(params, vocab)
+        self.params = self.chooser.params
         self._seq: list[int] = []
         self.mode = mode
         self.depth = depth
         self.topk = topk
         self.budget = fixed_budget(budget) if isinstance(budget, int) else budget
         self.shape = check_shape(shape)
-        self.sampled = sampled and not params.greedy
+        self.sampled = sampled and not self.params.greedy
         self.expand_cost, self.rate = expand_cost, rate
         # how well the draft's probabilities predict acceptance, per depth (shared: see there)
         self.predicted, self.realised = self.state.calibration(depth + 2)
@@ -244,16 +239,11 @@ class DraftTreeProposer:
 
     def reset(self, prompt: Sequence[int]) -> None:
         self.state.reset(prompt)
-        self.transform.start(prompt)
+        self.chooser.start(prompt)
 
     def _dist(self, logits: np.ndarray, tree: TokenTree, node: int) -> np.ndarray:
         """The draft's distribution after `node` (its context: the sequence and node's path)."""
-        tf = self.transform
-        if tf.active:
-            logits = tf.logits(logits, self._seq, [tree.path_tokens(node)])
-        if self.params.greedy:
-            return softmax(logits)
-        return probabilities(logits, self.params)
+        return self.chooser.ranking(logits, self._seq, tree.path_tokens(node))
 
     def calibration(self, depth: int) -> float:
         d = min(depth, len(self.predicted) - 1)
@@ -413,11 +403,11 @@ def build_tree(res: Resources, spec: Speculation) -> DraftTreeProposer:
     if spec.tree_mode == "sampled":
         shape = [(0,) * d for d in range(1, depth + 1)] + [(1,), (2,), (0, 1), (1, 0)]
         return DraftTreeProposer(
-            res.draft, res.vocab, res.params, mode="static", shape=shape, sampled=True
+            res.draft, res.vocab, res.chooser, mode="static", shape=shape, sampled=True
         )
     fixed = res.draft_pass(1)  # the draft catching up: once per round
     return DraftTreeProposer(
-        res.draft, res.vocab, res.params, mode="dynamic", depth=depth, topk=topk,
+        res.draft, res.vocab, res.chooser, mode="dynamic", depth=depth, topk=topk,
         budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass(topk),
         rate=cost_rate(res.verify_cost, fixed),
     )  # fmt: skip
@@ -429,7 +419,7 @@ def build_chain(res: Resources, spec: Speculation) -> DraftTreeProposer:
     tokens: this is what wins then)."""
     fixed = res.draft_pass(1)
     return DraftTreeProposer(
-        res.draft, res.vocab, res.params, mode="dynamic", depth=spec.num_draft_tokens or 8,
+        res.draft, res.vocab, res.chooser, mode="dynamic", depth=spec.num_draft_tokens or 8,
         topk=1, budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass(1),
         rate=cost_rate(res.verify_cost, fixed), name="chain",
     )  # fmt: skip

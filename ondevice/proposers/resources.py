@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ondevice.rules.chooser import TokenChooser
 from ondevice.rules.engine import Engine
 from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.engines import tree_engine
@@ -55,22 +56,28 @@ class Resources:
 
     verifier: the verifier as a tree engine (`runtime.engines.tree_engine`).
     draft: the draft's cache kept in step with the committed tokens (None: no draft loaded).
-    params: the sampling parameters of the generation.
+    chooser: the generation's one token chooser (sampling transform, noise, rule).
     verify_cost, draft_cost: seconds of a pass over n tokens (None: not profiled).
     """
 
     verifier: Engine
     draft: DraftState | None
-    params: SamplingParams
+    chooser: TokenChooser
     verify_cost: CostProfile | None = None
     draft_cost: CostProfile | None = None
 
     @classmethod
     def build(
-        cls, verifier: Engine, draft: Engine | None, params: SamplingParams, *, profile: bool
+        cls,
+        verifier: Engine,
+        draft: Engine | None,
+        params: SamplingParams,
+        *,
+        seed: int | None = None,
+        profile: bool = True,
     ) -> Resources:
-        """The verifier wrapped for trees, the draft's state and (with `profile`) the cached
-        pass costs of both."""
+        """The verifier wrapped for trees, the draft's state, the token chooser (its noise
+        keyed by `seed`) and (with `profile`) the cached pass costs of both."""
         from ondevice.proposers.draft_tree import DraftState
 
         verifier = tree_engine(verifier)
@@ -79,7 +86,12 @@ class Resources:
         state = None
         if draft is not None:
             state = DraftState(tree_engine(draft), verifier.vocab_size, dcost)
-        return cls(verifier, state, params, vcost, dcost)
+        chooser = TokenChooser(params, verifier.vocab_size, seed)
+        return cls(verifier, state, chooser, vcost, dcost)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.chooser.params
 
     @property
     def vocab(self) -> int:

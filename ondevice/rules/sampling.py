@@ -180,6 +180,22 @@ def align(logits: np.ndarray, vocab: int) -> np.ndarray:
     return np.concatenate([logits, pad], -1)
 
 
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """The temperature-1 distribution (float64) of logits (..., V)."""
+    z = np.asarray(logits, np.float64)
+    z = np.exp(z - z.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+
+
+def check_vocab(params: SamplingParams, vocab: int) -> None:
+    """ValueError when a token id of `params.logit_bias` is outside a vocabulary of `vocab`."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab]
+    if bad:
+        raise ValueError(
+            f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+        )
+
+
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Map (already processed) logits (..., V) to float64 probabilities (..., V): temperature,
     top-k, top-p, min-p. The context-free part of the transform."""
@@ -233,12 +249,8 @@ class Transform:
         self._prompt_len = 0
         self._grammar: GrammarState | None = None
         self._bias: np.ndarray | None = None
+        check_vocab(params, vocab)
         if params.logit_bias:
-            bad = [t for t, _ in params.logit_bias if t >= vocab]
-            if bad:
-                raise ValueError(
-                    f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
-                )
             self._bias = np.zeros(vocab)
             for t, b in params.logit_bias:
                 self._bias[t] = b
