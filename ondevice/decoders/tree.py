@@ -14,11 +14,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import numpy as np
-
 from ondevice.decoders.base import DecoderBase, Step
 from ondevice.errors import OndeviceError
-from ondevice.proposers.base import Proposer
+from ondevice.proposers.base import Proposer, Verification, wants_hidden
 from ondevice.proposers.draft_tree import DraftState
 from ondevice.rules import accept
 from ondevice.rules.chooser import TokenChooser, TreeRule
@@ -59,6 +57,12 @@ class TreeDecoder(DecoderBase):
             )
         super().__init__(verifier, eos_token_ids)
         self.proposer = proposer
+        self.hidden = wants_hidden(proposer)
+        if self.hidden and not getattr(verifier, "returns_hidden", False):
+            raise OndeviceError(
+                f"the {proposer.name!r} proposer reads the verifier's hidden states, which the "
+                f"{verifier.name!r} verifier engine does not return; use an MLX verifier."
+            )
         self.draft_state = draft_state  # the proposers' draft, if they have one
         self.params = params
         self.chooser = chooser or TokenChooser(params, verifier.vocab_size, seed)
@@ -77,16 +81,20 @@ class TreeDecoder(DecoderBase):
         self.chooser.start(prompt)
         self.proposer.reset(prompt)
 
-    def verify(self, seq: list[int], tree: TokenTree) -> tuple[list[int], int, np.ndarray]:
-        """Score the tree in one pass; return (accepted nodes, next token, argmax per node).
-        seq: the committed sequence (the tree's root is seq[-1])."""
-        logits = self.verifier.feed_masked(
-            tree.tokens, tree.positions(len(seq) - 1), tree.ancestors()
-        )
+    def verify(self, seq: list[int], tree: TokenTree) -> Verification:
+        """Score the tree in one pass and decide the round. seq: the committed sequence (the
+        tree's root is seq[-1]). The verifier's hidden states ride along when the proposer
+        reads them."""
+        args = (tree.tokens, tree.positions(len(seq) - 1), tree.ancestors())
+        hidden = None
+        if self.hidden:
+            logits, hidden = self.verifier.feed_masked(*args, hidden=True)  # type: ignore[attr-defined]
+        else:
+            logits = self.verifier.feed_masked(*args)  # type: ignore[attr-defined]
         path, tok, target = self.chooser.decide_tree(tree, logits, seq, self.rule)
-        self.verifier.keep(len(tree), [0, *path])
+        self.verifier.keep(len(tree), [0, *path])  # type: ignore[attr-defined]
         self._logits, self._nodes = logits, [0, *path]
-        return path, tok, target
+        return Verification(path, tok, target, hidden)
 
     def draft_prefix_length(self) -> int:
         """How many leading entries of the draft's cache hold the sequence committed so far."""
@@ -101,10 +109,11 @@ class TreeDecoder(DecoderBase):
         else:
             tree = TokenTree.root(seq[-1])
         t2 = time.perf_counter()
-        path, tok, target = self.verify(seq, tree)
+        verdict = self.verify(seq, tree)
+        path, tok = verdict.path, verdict.token
         t3 = time.perf_counter()
         if proposed:
-            self.proposer.observe(seq, tree, path, tok, target)
+            self.proposer.observe(seq, tree, verdict)
         self.time_draft += (t2 - t) + (time.perf_counter() - t3)
         self.time_verify += t3 - t2
         name = getattr(self.proposer, "last_name", self.proposer.name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ondevice.proposers import cascade, lookahead, lookup
-from ondevice.proposers.base import NoProposal, Proposer
+from ondevice.proposers.base import NoProposal, Proposer, Verification, wants_hidden
 from ondevice.proposers.draft_tree import DraftState, build_chain, build_tree
 from ondevice.proposers.resources import Resources, Speculation
 from ondevice.rules.noise import PositionNoise
@@ -55,6 +55,7 @@ class AutoProposer:
         self.drafts = list(drafts)
         self.explore, self.period, self.decay = explore, period, decay
         self.max_backoff = max_backoff
+        self.wants_hidden = any(wants_hidden(p) for p in self.proposers)
         self._reset_scores()
 
     def _reset_scores(self) -> None:
@@ -103,9 +104,10 @@ class AutoProposer:
         self._work = self._draft_work()
         return self.proposers[i].propose(seq, max_depth, noise)
 
-    def observe(self, seq, tree, path, token, target) -> None:
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         i = self._current
-        self.proposers[i].observe(seq, tree, path, token, target)
+        self.proposers[i].observe(seq, tree, verdict)
+        path = verdict.path
         secs = float(self.verify_cost(len(tree))) + self._draft_work() - self._work
         # an average over rounds, not over tries: what a re-check finds outweighs a score last
         # updated many rounds ago (the text may have changed since)

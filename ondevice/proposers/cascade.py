@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ondevice.proposers.base import BudgetFn, cost_budget, fixed_budget
+from ondevice.proposers.base import BudgetFn, Verification, cost_budget, fixed_budget
 from ondevice.proposers.draft_tree import DraftState
 from ondevice.proposers.lookup import AcceptanceModel, PromptLookup
 from ondevice.rules import accept
@@ -116,9 +116,9 @@ class CascadeProposer:
         self._k = len(drafts)
         return tree
 
-    def observe(self, seq, tree, path, token, target) -> None:
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         if self._k:
-            self.model.update(self._k, len(path))
+            self.model.update(self._k, len(verdict.path))
 
 
 def build(res: Resources, spec: Speculation) -> CascadeProposer:

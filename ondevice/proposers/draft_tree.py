@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ondevice.proposers.base import BudgetFn, RateFn, cost_budget, cost_rate, fixed_budget
+from ondevice.proposers.base import (
+    BudgetFn,
+    RateFn,
+    Verification,
+    cost_budget,
+    cost_rate,
+    fixed_budget,
+)
 from ondevice.rules.chooser import TokenChooser, as_chooser
 from ondevice.rules.engine import Engine
 from ondevice.rules.noise import PositionNoise
@@ -382,7 +389,8 @@ class DraftTreeProposer:
                 node_of[p] = node
         return tree
 
-    def observe(self, seq, tree, path, token, target) -> None:
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
+        path = verdict.path
         assert self._cand is not None
         self.state.commit(self._cand, [self._kept[n] for n in path])
         if self._depth_pred is not None:

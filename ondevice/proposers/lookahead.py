@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ondevice.proposers.base import Verification
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.pass_costs import CostProfile
@@ -88,7 +89,8 @@ class Lookahead:
                 below = self._cells[r, j] = tree.add(below, self.grid[r][j])
         return tree
 
-    def observe(self, seq, tree, path, token, target) -> None:
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
+        path, token, target = verdict.path, verdict.token, verdict.target
         last = self.N - 2
         for j in range(self.W):
             cell = self._cells.get((last, j))

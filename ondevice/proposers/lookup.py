@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ondevice.proposers.base import BudgetFn, cost_budget, fixed_budget
+from ondevice.proposers.base import BudgetFn, Verification, cost_budget, fixed_budget
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 
@@ -120,9 +120,9 @@ class PromptLookup:
         self._depth = tree.max_depth
         return tree
 
-    def observe(self, seq, tree, path, token, target) -> None:
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         if tree.size:
-            self.model.update(self._depth, len(path))
+            self.model.update(self._depth, len(verdict.path))
 
 
 def build(res: Resources, spec: Speculation) -> PromptLookup:

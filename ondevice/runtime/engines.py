@@ -132,25 +132,37 @@ class MLXTreeEngine(_Wrapper):
     mask at explicit positions, and keep a subset of the last cache entries."""
 
     engine: MLXEngine
+    returns_hidden = True  # feed_masked(..., hidden=True) also gives the last hidden states
 
     def __init__(self, engine: MLXEngine):
         super().__init__(engine)
         self.model = engine.model
 
     def feed_masked(
-        self, tokens: Sequence[int], positions: Sequence[int], visible: np.ndarray
-    ) -> np.ndarray:
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        visible: np.ndarray,
+        *,
+        hidden: bool = False,
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Append `tokens` at `positions`; token i attends where `visible[i]` is True, over the
         new tokens (L, L; the cached prefix is visible to all) or the whole cache (L, cache+L).
-        Returns float32 logits (L, vocab)."""
+        Returns float32 logits (L, vocab); with `hidden`, also the last hidden states
+        (L, hidden_size) float32."""
         mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
-        logits = self.engine.model(
+        out = self.engine.model(
             mx.array([list(tokens)]),
             self.engine.cache,
             positions=mx.array(np.asarray(positions, np.int32)),
             mask=mask,
-        )[0]
-        return np.array(logits.astype(mx.float32))
+            hidden=hidden,
+        )
+        logits, states = out if hidden else (out, None)
+        logits = np.array(logits[0].astype(mx.float32))
+        if states is None:
+            return logits
+        return logits, np.array(states[0].astype(mx.float32))
 
     def keep(self, n_recent: int, indices: Sequence[int]) -> None:
         self.engine.cache.keep(n_recent, indices)
