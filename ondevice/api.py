@@ -358,7 +358,7 @@ class Generator:
         cancel = _cancel or threading.Event()
 
         # greedy chain drafts are what the bundle's acceptance baseline measured
-        plain = params.greedy and params.plain
+        plain = params.greedy and not params.processed
         comparable = speculative and self.draft is not None and method == "chain" and plain
         bucket = self.drift.bucket(domain) if comparable else None
 

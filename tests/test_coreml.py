@@ -344,7 +344,7 @@ def test_truncated_vocabulary_draft_converts_only_its_rows(tmp):
     through the package stays exactly the verifier's greedy output."""
     from tiny import make_config, random_weights
 
-    from ondevice.decoders.chain import SpeculativeDecoder
+    from ondevice.decoders.chain import ChainDecoder
     from ondevice.decoders.factory import make_decoder
     from ondevice.models.config import ModelConfig
     from ondevice.models.weights import build_model
@@ -370,7 +370,7 @@ def test_truncated_vocabulary_draft_converts_only_its_rows(tmp):
 
     verifier = build_model(ModelConfig.from_dict(raw), {k: mx.array(v) for k, v in weights.items()})
     greedy = SamplingParams(temperature=0.0)
-    plain = SpeculativeDecoder(MLXEngine(verifier), None, greedy)
+    plain = ChainDecoder(MLXEngine(verifier), None, greedy)
     want = [t for r in plain.run(tokens, 24) for t in r.tokens]
     for method in ("chain", "tree", "cascade"):
         spec = Speculation(method=method, num_draft_tokens=3, profile=False)

@@ -13,7 +13,7 @@ from support.engines import MemoEngine, TableEngine
 from support.stats import chi_square_p, exact_joint
 
 import ondevice
-from ondevice.decoders.chain import SpeculativeDecoder
+from ondevice.decoders.chain import ChainDecoder
 from ondevice.decoders.factory import make_decoder
 from ondevice.decoders.pipelined import PipelinedDecoder
 from ondevice.errors import OndeviceError
@@ -190,7 +190,7 @@ def test_constrained_chain_and_pipeline_match_the_masked_law(tables, grammar16, 
     exact = exact_joint(ver, PROMPT, params)
 
     def chain(s):
-        dec = SpeculativeDecoder(ver, dra, params, seed=s, num_draft_tokens=2)
+        dec = ChainDecoder(ver, dra, params, seed=s, num_draft_tokens=2)
         return [t for r in dec.run(PROMPT, 2) for t in r.tokens]
 
     def pipe(s):
@@ -220,7 +220,7 @@ def test_a_verifier_that_ignores_the_mask_fails(tables, grammar16, monkeypatch):
     monkeypatch.setattr(decoder.TokenChooser, "decide", unmasked_decide)
 
     def chain(s):
-        dec = SpeculativeDecoder(ver, dra, params, seed=s, num_draft_tokens=2)
+        dec = ChainDecoder(ver, dra, params, seed=s, num_draft_tokens=2)
         return [t for r in dec.run(PROMPT, 2) for t in r.tokens]
 
     assert _p(_joint(chain, 5000), exact) < 1e-6

@@ -135,7 +135,7 @@ def test_static_and_chain_trees_from_the_draft():
     tree = prop.propose([5, 6], 5, PositionNoise(0))
     # after 6 the draft ranks 7 first and 9 second; then 8, then 5
     assert tree.path_tokens(len(tree) - 1) == [7, 8, 5] and 9 in tree.children[0]
-    chain = DraftTreeProposer(eng, V, SamplingParams(), mode="chain", budget=3)
+    chain = DraftTreeProposer(eng, V, SamplingParams(), mode="path", budget=3)
     chain.reset([5, 6])
     assert chain.propose([5, 6], 5, PositionNoise(0)).path_tokens(3) == [7, 8, 5]
     assert chain.propose([5, 6], 2, PositionNoise(0)).size == 2  # depth cap

@@ -11,7 +11,7 @@ import tiny
 from test_server import LiveServer, write_model
 
 import ondevice
-from ondevice.decoders.chain import SpeculativeDecoder
+from ondevice.decoders.chain import ChainDecoder
 from ondevice.decoders.factory import make_decoder
 from ondevice.errors import OndeviceError
 from ondevice.proposers.resources import Speculation
@@ -95,7 +95,7 @@ PENALISED = dict(repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty
 
 
 def _plain(gen, prompt, n, params):
-    dec = SpeculativeDecoder(gen.verifier, None, params)
+    dec = ChainDecoder(gen.verifier, None, params)
     return [t for r in dec.run(prompt, n) for t in r.tokens]
 
 

@@ -15,7 +15,7 @@ from support.enumeration import assert_emits_the_verifier_law, law, random_dist
 from support.stats import chi_square_p, exact_joint
 
 import ondevice
-from ondevice.decoders.chain import SpeculativeDecoder
+from ondevice.decoders.chain import ChainDecoder
 from ondevice.decoders.registry import METHODS
 from ondevice.errors import ContextLengthError, OndeviceError, TokenizerMismatchError
 from ondevice.models import load_model
@@ -264,7 +264,7 @@ def test_sampling_transform():
 def _joint_counts(verifier, draft, params, prompt, n, rule=None, k=3):
     counts: Counter = Counter()
     for s in range(n):
-        dec = SpeculativeDecoder(verifier, draft, params, seed=s, num_draft_tokens=k, rule=rule)
+        dec = ChainDecoder(verifier, draft, params, seed=s, num_draft_tokens=k, rule=rule)
         toks = [t for r in dec.run(prompt, 2) for t in r.tokens]
         counts[tuple(toks)] += 1
     return counts

@@ -34,7 +34,7 @@ __all__ = [
     "DecodeStats",
     "DraftLength",
     "Round",
-    "SpeculativeDecoder",
+    "ChainDecoder",
     "TokenChooser",
 ]
 
@@ -114,7 +114,7 @@ def block_length(
     return k
 
 
-class ChainDecoder(DecoderBase):
+class ChainDecoderBase(DecoderBase):
     """What the chain decoders (this one and `decoders/pipelined.py`'s) share: a draft engine, the
     `TokenChooser` and the `DraftLength` schedule.
 
@@ -161,15 +161,11 @@ class ChainDecoder(DecoderBase):
         return room
 
 
-class SpeculativeDecoder(ChainDecoder):
+class ChainDecoder(ChainDecoderBase):
     """Drives a verifier engine and an optional draft engine over one prompt, one block after
-    another (see the module docstring and `ChainDecoder` for the options)."""
+    another (see the module docstring and `ChainDecoderBase` for the options)."""
 
     _draft_valid = 0  # leading draft cache entries that hold the committed sequence
-
-    @property
-    def vocab(self) -> int:
-        return self.verifier.vocab_size
 
     def prefill_rest(self, prompt: Sequence[int], resume: bool) -> None:
         if self.draft is not None:

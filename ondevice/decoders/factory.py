@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ondevice.decoders.base import Decoder
-from ondevice.decoders.chain import SpeculativeDecoder
+from ondevice.decoders.chain import ChainDecoder
 from ondevice.decoders.pipelined import PipelinedDecoder
 from ondevice.decoders.plain import PlainGreedyDecoder
 from ondevice.decoders.registry import method
@@ -57,7 +57,7 @@ def make_decoder(
             plain = _plain(verifier, params, rule, opts)
             plain.skip_reason = "num_draft_tokens=0" if draft else "no draft model is loaded"
             return plain
-        chain = PipelinedDecoder if spec.pipeline else SpeculativeDecoder
+        chain = PipelinedDecoder if spec.pipeline else ChainDecoder
         return chain(verifier, draft, params, num_draft_tokens=k, rule=rule, **opts)
     res = Resources.build(verifier, draft, params, seed=seed, profile=spec.profile)
     proposer = m.build_proposer(res, spec)
@@ -70,8 +70,8 @@ def make_decoder(
 def _plain(verifier: Engine, params: SamplingParams, rule: object, opts: dict) -> Decoder:
     """Plain decoding: the fast greedy loop on MLX where nothing transforms the logits."""
     if (
-        params.greedy and params.plain and params.logprobs is None
+        params.greedy and not params.processed and params.logprobs is None
         and isinstance(verifier, MLXEngine) and rule is None
     ):  # fmt: skip
         return PlainGreedyDecoder(verifier, opts["eos_token_ids"])
-    return SpeculativeDecoder(verifier, None, params, rule=rule, **opts)  # type: ignore[arg-type]
+    return ChainDecoder(verifier, None, params, rule=rule, **opts)  # type: ignore[arg-type]

@@ -70,7 +70,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("cascade", "a draft chain whose own drafting is sped up by prompt lookup",
            "the draft chain's length", needs_draft=True, uses_draft=True,
            proposer="ondevice.proposers.cascade:build"),
-    Method("auto", "picks per round among plain steps, pld and the draft's chain, tree and "
+    Method("auto", "picks per round among plain steps, pld and the draft's greedy path, tree and "
            "cascade (lookahead without a draft) by measured acceptance and pass costs",
            "each candidate's size", uses_draft=True, proposer="ondevice.proposers.auto:build"),
 )}  # fmt: skip

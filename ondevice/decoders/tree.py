@@ -1,7 +1,7 @@
 """Tree decoding: one verifier pass scores a whole token tree, the accepted path is kept.
 
 `TreeDecoder` is a `Decoder` (`decoders/base.py`) with the invariants of the sequential
-`SpeculativeDecoder`: at the start of a round the verifier's cache holds seq[:-1]; the round feeds
+`ChainDecoder`: at the start of a round the verifier's cache holds seq[:-1]; the round feeds
 seq[-1] (the root) with every proposed node, at positions root + depth under a tree mask, and
 afterwards keeps only the root and the accepted path (`KVCache.keep`), so the cache again holds
 the committed sequence minus its last token. The acceptance rule is `accept.multi_draft` (greedy:

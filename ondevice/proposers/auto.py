@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ondevice.proposers import cascade, lookahead, lookup
 from ondevice.proposers.base import NoProposal, Proposer, Verification, wants_hidden
-from ondevice.proposers.draft_tree import DraftState, build_chain, build_tree
+from ondevice.proposers.draft_tree import DraftState, build_greedy_path, build_tree
 from ondevice.proposers.resources import Resources, Speculation
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
@@ -125,11 +125,11 @@ class AutoProposer:
 
 
 def build(res: Resources, spec: Speculation) -> AutoProposer:
-    """The "auto" method: plain steps, prompt lookup and, with a draft, its chain, its tree and
+    """The "auto" method: plain steps, prompt lookup and, with a draft, its greedy path, its tree and
     the cascade (without one, lookahead); num_draft_tokens fixes each candidate's size."""
     cands: list[Proposer] = [NoProposal(), lookup.build(res, spec)]
     if res.draft is not None:
-        cands += [build_chain(res, spec), build_tree(res, spec), cascade.build(res, spec)]
+        cands += [build_greedy_path(res, spec), build_tree(res, spec), cascade.build(res, spec)]
     else:
         cands += [lookahead.build(res, spec)]
     # unprofiled: every pass costs the same

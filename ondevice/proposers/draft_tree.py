@@ -1,5 +1,5 @@
 """Draft-model trees: the draft's cache kept in step with the committed sequence (`DraftState`)
-and the trees it grows (`DraftTreeProposer`: a chain, a static tree, or a dynamic EAGLE-2 tree;
+and the trees it grows (`DraftTreeProposer`: a path, a static tree, or a dynamic EAGLE-2 tree;
 children are the draft's top-k, or i.i.d. samples for sampled static trees, SpecInfer)."""
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def top_tokens(d: np.ndarray, k: int) -> np.ndarray:
 
 
 class DraftTreeProposer:
-    """A draft model proposes a chain, a static tree, or a dynamic (EAGLE-2) tree.
+    """A draft model proposes a path, a static tree, or a dynamic (EAGLE-2) tree.
 
     mode "dynamic": up to `depth` levels; at each level the `topk` most valuable frontier nodes
         are fed to the draft in one pass and each gets its `topk` best children. A node's value
@@ -201,7 +201,7 @@ class DraftTreeProposer:
         `rate` every level is grown.
     mode "static": the tree `shape` (rank paths, see tree.py) filled with the draft's ranked
         children, or with i.i.d. draft samples when `sampled` (SpecInfer).
-    mode "chain": a static shape of one path of length `budget`.
+    mode "path": a static shape of one path of length `budget`.
 
     Values (and top-k ranks) use the draft's distribution after the sampling transform, or its
     temperature-1 softmax under greedy decoding (a point mass says nothing about confidence).
@@ -223,7 +223,7 @@ class DraftTreeProposer:
         rate: RateFn | None = None,
         name: str = "tree",
     ):
-        if mode not in ("dynamic", "static", "chain"):
+        if mode not in ("dynamic", "static", "path"):
             raise ValueError(f"unknown tree mode {mode!r}")
         self.name = name
         self.state = draft if isinstance(draft, DraftState) else DraftState(draft, vocab)
@@ -264,7 +264,7 @@ class DraftTreeProposer:
             cand, kept, tree = self._dynamic(seq[-1], root_logits, max_depth)
         else:
             shape = self.shape
-            if self.mode == "chain":
+            if self.mode == "path":
                 n = min(self.budget(np.ones(max_depth)), max_depth)
                 shape = [(0,) * d for d in range(1, n + 1)]
             tree = self._static(seq[-1], root_logits, shape, max_depth, noise)
@@ -421,13 +421,13 @@ def build_tree(res: Resources, spec: Speculation) -> DraftTreeProposer:
     )  # fmt: skip
 
 
-def build_chain(res: Resources, spec: Speculation) -> DraftTreeProposer:
-    """`auto`'s draft chain: a one-child-per-level tree (the draft's greedy chain, default 8
-    deep), as long as the cost profiles say its confidence pays (a strong draft agrees for many
+def build_greedy_path(res: Resources, spec: Speculation) -> DraftTreeProposer:
+    """`auto`'s "greedy-path" candidate: a one-child-per-level tree (the draft's greedy path,
+    default 8 deep), as long as the cost profiles say its confidence pays (a strong draft agrees for many
     tokens: this is what wins then)."""
     fixed = res.draft_pass(1)
     return DraftTreeProposer(
         res.draft, res.vocab, res.chooser, mode="dynamic", depth=spec.num_draft_tokens or 8,
         topk=1, budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass(1),
-        rate=cost_rate(res.verify_cost, fixed), name="chain",
+        rate=cost_rate(res.verify_cost, fixed), name="greedy-path",
     )  # fmt: skip

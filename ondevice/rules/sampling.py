@@ -132,9 +132,10 @@ class SamplingParams:
         )
 
     @property
-    def plain(self) -> bool:
-        """Only temperature / top-k / top-p / min-p: no logits to process before them."""
-        return not self.contextual and not self.logit_bias
+    def processed(self) -> bool:
+        """Whether logits are processed (bias, penalties, a grammar's mask) before temperature /
+        top-k / top-p / min-p."""
+        return self.contextual or bool(self.logit_bias)
 
 
 # the fields of SamplingParams, in order (`_` is dataclasses' keyword-only marker, no field)
@@ -258,7 +259,7 @@ class Transform:
     @property
     def active(self) -> bool:
         """Whether logits are processed before temperature (otherwise `logits` is identity)."""
-        return not self.params.plain
+        return self.params.processed
 
     def start(self, prompt: Sequence[int]) -> None:
         """A new generation after `prompt`."""

@@ -9,7 +9,6 @@ cache) that tree decoding needs.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,6 @@ __all__ = [
     "Engine",
     "MLXEngine",
     "MLXTreeEngine",
-    "TimedEngine",
     "draft_window",
     "innermost",
     "make_draft_engine",
@@ -109,22 +107,6 @@ class _Wrapper:
 
     def trim(self, n: int) -> None:
         self.engine.trim(n)
-
-
-class TimedEngine(_Wrapper):
-    """Wraps an engine and accumulates the wall time spent in its calls."""
-
-    def __init__(self, engine: Engine):
-        super().__init__(engine)
-        self.seconds = 0.0
-        self.calls = 0
-
-    def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray:
-        t = time.perf_counter()
-        out = self.engine.feed(tokens, last_only)
-        self.seconds += time.perf_counter() - t
-        self.calls += 1
-        return out
 
 
 class MLXTreeEngine(_Wrapper):

@@ -151,8 +151,8 @@ def measure(
     budget_s: float = 30.0,
 ) -> CostProfile:
     """Time `engine.feed` of n tokens after a `context`-token prefix (median of `repeats`, or of
-    at least 3 when the repeats would take longer than `budget_s`: a 1.5B model on a 2-core CPU
-    takes 12 s per round of sizes).
+    at least 3 when the repeats would take longer than `budget_s`: a large model on a small CPU
+    takes seconds per round of sizes).
 
     Sizes are interleaved within each repeat, so a change in load during the measurement (other
     processes on the machine) affects every size alike instead of skewing some of them."""
