@@ -61,3 +61,15 @@ def test_every_package_has_a_layer():
     leaves = {"convert", "distill", "speedtest", "__pycache__"}
     folders = {p.parent.name for p in ROOT.glob("*/__init__.py")} - leaves
     assert folders <= set(ORDER), folders - set(ORDER)
+
+
+def test_the_design_notes_name_every_decoder_proposer_and_method():
+    """docs/design.md is where a newcomer finds every decoder, every proposer and every method:
+    a new one must be named there."""
+    from ondevice.decoders.registry import METHODS
+
+    text = (ROOT.parent / "docs" / "design.md").read_text()
+    files = [p.name for d in ("decoders", "proposers") for p in (ROOT / d).glob("[!_]*.py")]
+    missing = [f for f in files if f"`{f}`" not in text]
+    missing += [m for m in METHODS if f"`{m}`" not in text]
+    assert not missing, missing
