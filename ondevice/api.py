@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 
 from ondevice.decoders import registry
+from ondevice.decoders.base import Decoder
 from ondevice.decoders.factory import make_decoder
 from ondevice.decoders.registry import METHODS as METHODS
 from ondevice.errors import CoreMLRuntimeError, CoreMLUnavailableError, OndeviceError
@@ -314,9 +315,8 @@ class Generator:
         log-probabilities of the emitted tokens, and of the `logprobs` most likely). Every one
         transforms the distribution of the verifier and of the draft alike, so speculation
         stays exact for the transformed law; unknown names are refused.
-        speculative: False runs the verifier alone. method: a name in `METHODS` (the registry,
-        `decoders/registry.py`: "chain" by default; "pld" and "lookahead" need no draft).
-        num_draft_tokens: None lets the runtime choose; what it fixes depends on the method.
+        speculative: False runs the verifier alone. method: a name in `METHODS` (the registry
+        `decoders/registry.py` says what each is and what a fixed num_draft_tokens means).
         pipeline: overlap drafting with verification (chain only); None picks what is faster
         for the draft backend. With the same seed and settings the tokens are the same,
         pipelined or not; another method or num_draft_tokens may use the random draws
@@ -335,17 +335,7 @@ class Generator:
         turn, first come first served, and each gives the tokens it would give alone.
         """
         _check_options(locals())
-        unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
-        if unknown:
-            raise OndeviceError(
-                f"unknown option {unknown[0]!r}; the sampling options are "
-                f"{', '.join(SAMPLING_FIELDS)}."
-            )
-        try:
-            params = SamplingParams.from_options(sampling)
-            check_vocab(params, self.verifier.vocab_size)
-        except (ValueError, TypeError) as e:
-            raise OndeviceError(f"invalid sampling option: {e}") from None
+        params = self._sampling(sampling)
         domain = check_domain(domain)
         registry.method(method)  # checked also when speculative=False, which decodes plainly
         ids = self.encode_prompt(
@@ -362,36 +352,68 @@ class Generator:
         comparable = speculative and self.draft is not None and method == "chain" and plain
         bucket = self.drift.bucket(domain) if comparable else None
 
-        def job() -> Iterator[Chunk]:
-            for retry in (False, True):
-                draft = self.draft if speculative else None
-                # after a Core ML failure the draft backend, and so the pipelining, changed
-                spec = self._speculation(method, num_draft_tokens, pipeline, speculative)
-                dec = make_decoder(
-                    self.verifier, draft, params, spec,
-                    eos_token_ids=self.tokenizer.eos_token_ids, seed=seed,
-                )  # fmt: skip
-                if not speculative:
-                    dec.skip_reason = "speculative=False"
-                started = False
-                try:
-                    for chunk in self._cached_stream(
-                        dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket, hidden
-                    ):
-                        started = True
-                        yield chunk
-                    return
-                except CoreMLRuntimeError as e:
-                    # Core ML failed mid-use: this model moves to the MLX draft; a request
-                    # that has sent nothing yet starts again on it
-                    self._leave_core_ml(str(e))
-                    if started or retry:
-                        raise
+        def run() -> Iterator[Chunk]:  # the decoder is made anew after a Core ML failure
+            dec = self._decoder(params, seed, method, num_draft_tokens, pipeline, speculative)
+            draft = self.draft if speculative else None
+            return self._cached_stream(
+                dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket, hidden
+            )
 
         # Queued on the model's thread behind the generations asked for earlier (by any
         # thread); the job never waits for its consumer, so a caller that starts a second
         # generation while reading the first one cannot deadlock.
-        yield from self._thread().iterate(job, cancel)
+        yield from self._thread().iterate(lambda: self._falling_back(run), cancel)
+
+    def _falling_back(self, run: Callable[[], Iterator[Chunk]]) -> Iterator[Chunk]:
+        """The chunks of `run()`; when Core ML fails mid-use this model moves to the MLX draft,
+        and a request that has sent nothing yet starts again on it."""
+        for retry in (False, True):
+            started = False
+            try:
+                for chunk in run():
+                    started = True
+                    yield chunk
+                return
+            except CoreMLRuntimeError as e:
+                self._leave_core_ml(str(e))
+                if started or retry:
+                    raise
+
+    def _sampling(self, sampling: dict[str, Any]) -> SamplingParams:
+        """The sampling parameters of `stream`'s sampling keywords, checked."""
+        unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise OndeviceError(
+                f"unknown option {unknown[0]!r}; the sampling options are "
+                f"{', '.join(SAMPLING_FIELDS)}."
+            )
+        try:
+            params = SamplingParams.from_options(sampling)
+            check_vocab(params, self.verifier.vocab_size)
+        except (ValueError, TypeError) as e:
+            raise OndeviceError(f"invalid sampling option: {e}") from None
+        return params
+
+    def _decoder(
+        self,
+        params: SamplingParams,
+        seed: int | None,
+        name: str,
+        num_draft_tokens: int | None,
+        pipeline: bool | None,
+        speculative: bool,
+    ) -> Decoder:
+        """The decoder of one generation (the pipelining default follows the draft backend,
+        which a Core ML failure changes)."""
+        spec = self._speculation(name, num_draft_tokens, pipeline, speculative)
+        draft = self.draft if speculative else None
+        dec = make_decoder(
+            self.verifier, draft, params, spec, eos_token_ids=self.tokenizer.eos_token_ids,
+            seed=seed,
+        )  # fmt: skip
+        if not speculative:
+            dec.skip_reason = "speculative=False"
+        return dec
 
     # -- the generation thread and the prompt cache -----------------------------------------
 
@@ -614,31 +636,10 @@ def _bundle_draft(pair: _Pair, b: Any, opts: dict[str, Any]) -> None:
         pair.extra.pop("reload_draft", None)
 
 
-def load(
-    verifier: str | Path,
-    draft: str | Path | None = None,
-    *,
-    draft_backend: str = "auto",
-    dtype: str | None = None,
-    quantize: int | None = None,
-    dequantize: bool | None = None,
-    prompt_cache: str | Path | None = None,
-    prompt_cache_bytes: int = DEFAULT_MAX_BYTES,
-) -> Generator:
-    """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
-    draft. A pair bundle brings its own draft (Core ML and MLX); `draft` may also be a bundle,
-    whose draft then serves this verifier (a fine-tuned one, say) and whose recorded
-    acceptance tells when the two agree less (`Generator.acceptance_drift`).
-
-    dequantize: expand quantized weights to float32 on load. Default: only where MLX runs on
-    the CPU (Linux), because there its quantized matmul costs grow with every token of a
-    verification block while a float32 GEMM (OpenBLAS) verifies 8 tokens for little more than
-    one (measured in docs/benchmarks.md). On Apple GPUs quantized weights stay quantized.
-
-    prompt_cache: a file written by `ondevice cache-prompt` (`Generator.save_prompt_cache`):
-    prompts that begin with its tokens start from its KV. prompt_cache_bytes: memory for the
-    KV of recent prompts and answers, reused by later prompts that share a prefix (0: off).
-    """
+def _check_load_arguments(
+    verifier: Any, draft: Any, draft_backend: Any, dtype: Any, quantize: Any, dequantize: Any
+) -> None:
+    """OndeviceError naming the first of `load`'s arguments that is wrong."""
     for name, value in (("verifier", verifier), ("draft", draft)):
         if value is None and name == "draft":
             continue
@@ -655,6 +656,39 @@ def load(
         )
     if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
         raise OndeviceError(f"unknown dtype {dtype!r}; choose float32, float16 or bfloat16.")
+
+
+def load(
+    verifier: str | Path,
+    draft: str | Path | None = None,
+    *,
+    draft_backend: str = "auto",
+    dtype: str | None = None,
+    quantize: int | None = None,
+    dequantize: bool | None = None,
+    prompt_cache: str | Path | None = None,
+    prompt_cache_bytes: int = DEFAULT_MAX_BYTES,
+) -> Generator:
+    """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
+    draft. A pair bundle brings its own draft (Core ML and MLX); `draft` may also be a bundle,
+    whose draft then serves this verifier (a fine-tuned one, say) and whose recorded
+    acceptance tells when the two agree less (`Generator.acceptance_drift`).
+
+    draft_backend: where the draft runs: "auto" (Core ML where it runs, placed by measured
+    costs; else MLX), "coreml", "reference" (the package through the numpy executor) or "mlx".
+    dtype: "float32", "float16" or "bfloat16" for the weights (None: as stored).
+    quantize: 4 or 8 bits for the verifier's weights (None: as stored).
+
+    dequantize: expand quantized weights to float32 on load. Default: only where MLX runs on
+    the CPU (Linux), because there its quantized matmul costs grow with every token of a
+    verification block while a float32 GEMM (OpenBLAS) verifies 8 tokens for little more than
+    one (measured in docs/benchmarks.md). On Apple GPUs quantized weights stay quantized.
+
+    prompt_cache: a file written by `ondevice cache-prompt` (`Generator.save_prompt_cache`):
+    prompts that begin with its tokens start from its KV. prompt_cache_bytes: memory for the
+    KV of recent prompts and answers, reused by later prompts that share a prefix (0: off).
+    """
+    _check_load_arguments(verifier, draft, draft_backend, dtype, quantize, dequantize)
     from ondevice.sources.hub import resolve
 
     if dequantize is None:

@@ -191,6 +191,12 @@ class Bench:
                 draft_backend=stats.get("draft_backend"),
                 rounds_by_method=stats.get("rounds_by_method"),  # auto's choices, per proposer
             )
+        self._derive(rec)
+        return rec
+
+    def _derive(self, rec: dict[str, Any]) -> None:
+        """The run's memory, acceptance rate and mean accepted length, from its counts."""
+        method = rec["method"]
         d, a, r = rec["drafted"], rec["accepted"], rec["rounds"]
         # What this method alone needs: the weights it uses plus its working memory. The MLX
         # peak itself counts every model loaded in the process (peers' copies included).
@@ -205,7 +211,6 @@ class Bench:
         )
         rec["acceptance_rate"] = a / d if d else None
         rec["mean_accepted_length"] = (a + r) / r if d and r else None
-        return rec
 
     # -- one prompt: every run, interleaved ---------------------------------------------------
 
