@@ -328,7 +328,7 @@ def test_a_verifier_blind_to_drafted_tokens_fails_the_distribution_test(
 ):
     """Penalties depend on the drafted tokens before a position: a verifier that scores every
     row with the committed context only (forgetting the drafts before it) is biased."""
-    from ondevice.decoders import chain as decoder
+    from ondevice.rules import chooser as decoder
 
     ver, dra = small_vocab_pair
     params = TRANSFORMS["frequency"]
