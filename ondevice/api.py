@@ -600,6 +600,8 @@ class Generator:
         )
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+        """The whole answer at once: `stream(prompt, **kwargs)` collected into a
+        GenerationResult (text, token ids, stats, finish_reason); the options are `stream`'s."""
         text, tokens = [], []
         last: Chunk | None = None
         for chunk in self.stream(prompt, **kwargs):

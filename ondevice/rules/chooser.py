@@ -83,7 +83,8 @@ class TokenChooser:
     def probs(
         self, logits: np.ndarray, seq: Sequence[int] = (), paths: Sequence[Sequence[int]] = ((),)
     ) -> np.ndarray:
-        """Transformed distribution(s) at the position(s) after seq + paths[i]."""
+        """Transformed distribution(s) (R, V) float64 at the position(s) after seq + paths[i],
+        from logits (R, V) (or (V,) with one path: then (V,))."""
         logits = align(logits, self.vocab)
         if not self.transform.active:
             return probabilities(logits, self.params)
@@ -113,8 +114,8 @@ class TokenChooser:
     def draft(
         self, logits: np.ndarray, pos: int, seq: Sequence[int] = (), path: Sequence[int] = ()
     ) -> tuple[int, np.ndarray | None]:
-        """The draft's token at position `pos` (after seq + path) and the distribution it came
-        from (sampling)."""
+        """The draft's token at position `pos` (after seq + path) from its logits (V,), and the
+        distribution (V,) it was sampled from (None under greedy decoding)."""
         if self.params.greedy:
             if self.transform.active:
                 return int(self.transform.argmax(align(logits, self.vocab), seq, [path])), None
@@ -146,8 +147,10 @@ class TokenChooser:
         start: int,
         seq: Sequence[int] = (),
     ) -> tuple[int, int]:
-        """(accepted count, next token) for `drafts` at positions start.. given the verifier's
-        logits for the last committed token plus the drafts; `seq` is the committed sequence."""
+        """(accepted count, next token) for `drafts` (K ids) at positions start.. given `q`
+        (K, V), the distributions they were drawn from (None when greedy), and the verifier's
+        `logits` (K+1, V) for the last committed token plus the drafts; `seq` is the committed
+        sequence."""
         paths = chain_paths(drafts) if self.transform.active else [()] * (len(drafts) + 1)
         if self.params.greedy:
             return accept.greedy(drafts, self.transform.argmax(logits, seq, paths))
