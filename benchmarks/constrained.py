@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=Path, default=DATA)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-draft-tokens", type=int, default=None, metavar="K")
-    ap.add_argument("--method", default="chain", choices=options.METHODS)
+    ap.add_argument("--method", default="chain", choices=list(options.METHODS))
     ap.add_argument("--limit", type=int, default=None, metavar="N", help="the first N prompts")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--unconstrained", action="store_true",

@@ -4,7 +4,7 @@
 
 RESULTS.json is what `ondevice bench` wrote. For each plain, chain and pipeline record the
 cost model (`costmodel.CostModel`, the formulas `placement.choose` and the pipelined decoder
-use) is given the pair's cached cost profiles (`treecost.load_profile`, never measured here) and
+use) is given the pair's cached cost profiles (`pass_costs.load_profile`, never measured here) and
 what the run itself saw: its rounds, its mean K (drafted per round) and the acceptance alpha
 that makes the geometric model yield the run's tokens per round. It predicts the seconds of the
 decoding rounds; the prediction is compared with the measured decode time (prefill and first
@@ -25,8 +25,8 @@ import numpy as np
 
 import ondevice
 from ondevice.runtime.costmodel import CostModel
+from ondevice.runtime.pass_costs import CostProfile, load_profile
 from ondevice.runtime.placement import predicted_model
-from ondevice.runtime.treecost import CostProfile, load_profile
 
 METHODS = ("plain", "chain", "pipeline")
 

@@ -6,7 +6,7 @@
 Modes, interleaved round by round (median wall time of one round):
   serial   verifier pass, then the draft steps (the sequential decoder)
   streams  verifier pass submitted with mx.async_eval, draft steps on a second MLX stream in the
-           same Python thread (what runtime/pipeline.py does)
+           same Python thread (what decoders/pipelined.py does)
   thread   draft steps in a persistent Python thread with its own stream, verifier pass in the
            main thread
   process  draft steps in a persistent child process with its own copy of the draft

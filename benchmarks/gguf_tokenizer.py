@@ -31,8 +31,8 @@ from statistics import mean, median
 
 from ondevice.models.gguf import read_header
 from ondevice.models.gguf_tokenizer import tokenizer_from_metadata
-from ondevice.models.hub import resolve
 from ondevice.models.tokenizer import transformers
+from ondevice.sources.hub import resolve
 from ondevice.speedtest.prompts import read_prompts
 
 DEFAULT = "qwen2.5-coder-1.5b-instruct"

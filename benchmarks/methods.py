@@ -20,12 +20,13 @@ from pathlib import Path
 
 from models_util import add_verifier_argument
 
+from ondevice.decoders.factory import make_decoder
+from ondevice.decoders.plain import PlainGreedyDecoder
 from ondevice.models import load_model
 from ondevice.models.transformer import Model
-from ondevice.runtime.decoders import make_decoder
+from ondevice.proposers.resources import Speculation
+from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.engines import MLXEngine
-from ondevice.runtime.plain import PlainGreedyDecoder
-from ondevice.speculative.sampling import SamplingParams
 
 
 def layer_slice(verifier: Model, n: int) -> Model:
@@ -111,7 +112,7 @@ def main() -> None:
     # warm-up (and cost profiles, measured once per device and model and cached)
     warm = tok.encode("Hello there, how are you?")
     for m in methods:
-        run_one(make_decoder(m, venv, denv, params, eos_token_ids=eos), warm, 8)
+        run_one(make_decoder(venv, denv, params, Speculation(method=m), eos_token_ids=eos), warm, 8)
     results = []
     for i, row in enumerate(prompts):
         text = tok.apply_chat_template([{"role": "user", "content": row["turns"][0]}])
@@ -124,8 +125,8 @@ def main() -> None:
         plain = run_one(PlainGreedyDecoder(venv, eos), ids, args.max_tokens)
         rec["plain"] = {k: v for k, v in plain.items() if k != "tokens"}
         for m in methods:
-            dec = make_decoder(m, venv, denv, params, eos_token_ids=eos,
-                               num_draft_tokens=args.num_draft_tokens)  # fmt: skip
+            spec = Speculation(method=m, num_draft_tokens=args.num_draft_tokens)
+            dec = make_decoder(venv, denv, params, spec, eos_token_ids=eos)
             r = run_one(dec, ids, args.max_tokens)
             r["identical"] = r.pop("tokens") == plain["tokens"]
             rec[m] = r

@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 from models_util import add_verifier_argument, load_pair
 
+from ondevice.decoders.chain import ChainDecoder
+from ondevice.decoders.pipelined import PipelinedDecoder
+from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.costmodel import CostModel
 from ondevice.runtime.engines import MLXEngine
-from ondevice.runtime.pipeline import PipelinedDecoder
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams
 
 
 class Recording:
@@ -77,9 +77,7 @@ def predict(rounds, verify_calls, draft_calls, host, pipelined: bool) -> float:
 
 def run_sequential(V, D, prompt, params, args, eos):
     rv, rd = Recording(V), Recording(D)
-    dec = SpeculativeDecoder(
-        rv, rd, params, eos_token_ids=eos, seed=args.seed, num_draft_tokens=args.k
-    )
+    dec = ChainDecoder(rv, rd, params, eos_token_ids=eos, seed=args.seed, num_draft_tokens=args.k)
     rounds, n = [], 0
     for r in dec.run(prompt, args.max_tokens):
         rounds.append((r.drafted, r.accepted))

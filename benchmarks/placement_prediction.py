@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 
+from ondevice.runtime.pass_costs import CostProfile
 from ondevice.runtime.placement import candidates, choose
-from ondevice.runtime.treecost import CostProfile
 
 VERIFIER_BYTES = 3.09e9  # Qwen2.5-Coder-1.5B, bfloat16 (1.54B parameters, tied head)
 DRAFT_BYTES = 0.99e9  # Qwen2.5-Coder-0.5B, bfloat16 (0.49B parameters, tied head)

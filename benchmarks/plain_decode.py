@@ -44,7 +44,7 @@ def main() -> None:
     prompt = lm.tokenizer.encode(prompt_text, add_special_tokens=False)
 
     def run_ours() -> float:
-        from ondevice.runtime.plain import PlainGreedyDecoder
+        from ondevice.decoders.plain import PlainGreedyDecoder
 
         dec = PlainGreedyDecoder(MLXEngine(ours), eos_token_ids=())
         n = 0

@@ -13,7 +13,7 @@ import argparse
 import time
 
 import ondevice
-from ondevice.runtime.treecost import device_name, engine_key, load_profile, profile_path
+from ondevice.runtime.pass_costs import device_name, engine_key, load_profile, profile_path
 
 
 def main() -> None:

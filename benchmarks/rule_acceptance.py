@@ -24,10 +24,10 @@ from models_util import add_verifier_argument, load_pair
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny  # noqa: E402
 
+from ondevice.decoders.chain import ChainDecoder  # noqa: E402
 from ondevice.models import load_model  # noqa: E402
+from ondevice.rules.sampling import SamplingParams, probabilities  # noqa: E402
 from ondevice.runtime.engines import MLXEngine  # noqa: E402
-from ondevice.speculative.decoder import SpeculativeDecoder  # noqa: E402
-from ondevice.speculative.sampling import SamplingParams, probabilities  # noqa: E402
 
 
 def tiny_pairs(runs: int) -> None:
@@ -42,7 +42,7 @@ def tiny_pairs(runs: int) -> None:
                 acc = drafted = 0
                 for s in range(runs):
                     prompt = [5 + s % 80, 9, 14]
-                    dec = SpeculativeDecoder(
+                    dec = ChainDecoder(
                         V, D, SamplingParams(1.0), seed=s, num_draft_tokens=3, rule=rule
                     )
                     for _ in dec.run(prompt, 32):

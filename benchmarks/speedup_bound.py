@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from ondevice.runtime.costmodel import CostModel
-from ondevice.runtime.treecost import CostProfile
+from ondevice.runtime.pass_costs import CostProfile
 
 
 class ProfileCosts(CostModel):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import numbers
 import threading
 import time
 import weakref
@@ -15,13 +14,24 @@ from typing import Any
 
 import mlx.core as mx
 
+from ondevice.decoders import registry
+from ondevice.decoders.base import Decoder
+from ondevice.decoders.factory import make_decoder
+from ondevice.decoders.registry import METHODS as METHODS
 from ondevice.errors import CoreMLRuntimeError, CoreMLUnavailableError, OndeviceError
 from ondevice.models import LoadedModel, load_model
 from ondevice.models.tokenizer import RESERVED_TEMPLATE_ARGS, Tokenizer, check_pair
+from ondevice.proposers.resources import Speculation
 from ondevice.results import Chunk, GenerationResult
+from ondevice.rules.sampling import (
+    SAMPLING_FIELDS,
+    Grammar,
+    SamplingParams,
+    check_int,
+    check_kind,
+    check_vocab,
+)
 from ondevice.runtime.coreml_engines import fall_back
-from ondevice.runtime.decoders import METHODS as METHODS
-from ondevice.runtime.decoders import check_method, make_decoder
 from ondevice.runtime.drift import DriftMonitor, check_domain, read_baseline, state_key
 from ondevice.runtime.engines import (
     DRAFT_BACKENDS,
@@ -31,16 +41,12 @@ from ondevice.runtime.engines import (
     make_draft_engine,
 )
 from ondevice.runtime.memory import apply_metal_limits, param_bytes
-from ondevice.runtime.placement import Placement, place_draft
+from ondevice.runtime.placement import BESIDE_VERIFIER, Placement, place_draft
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
-from ondevice.speculative.sampling import Grammar, SamplingParams, Transform
+from ondevice.runtime.worker import Worker
 from ondevice.streaming import decode_chunks
-from ondevice.worker import Worker
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
-# Draft backends on other hardware than the verifier, where overlapping the two pays; see
-# docs/benchmarks.md for the CPU measurements that decide the rest.
-PIPELINE_BY_DEFAULT = ("coreml",)
 
 
 @dataclass
@@ -54,28 +60,23 @@ class _Pair:
 
 def _check_int(name: str, value: Any, low: int, none_ok: bool = False) -> None:
     """OndeviceError unless `value` is an int >= `low` (or None, if allowed)."""
-    if value is None and none_ok:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise OndeviceError(f"{name} must be an integer >= {low}, got {value!r}.")
+    try:
+        check_int(name, value, low, none_ok)
+    except ValueError as e:
+        raise OndeviceError(str(e)) from None
 
 
 def _check_type(name: str, value: Any, types: type | tuple[type, ...], what: str) -> None:
-    types = types if isinstance(types, tuple) else (types,)
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        raise OndeviceError(f"{name} must be {what}, got {value!r}.")
+    try:
+        check_kind(name, value, types, what)
+    except ValueError as e:
+        raise OndeviceError(str(e)) from None
 
 
 def _check_options(options: dict[str, Any]) -> None:
-    """OndeviceError naming the first of `Generator.stream`'s options of the wrong type: a
-    string where a number belongs ("0.7") or a number where a flag belongs is refused here, not
-    coerced (their ranges are checked by `SamplingParams`)."""
-    number = numbers.Real  # numpy's scalars too; not str, not bool
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"):  # fmt: skip
-        _check_type(name, options[name], number, "a number")
-    _check_int("top_k", options["top_k"], 0)
-    _check_int("logprobs", options["logprobs"], 0, none_ok=True)
+    """OndeviceError naming the first of `Generator.stream`'s options (other than the sampling
+    fields, which `SamplingParams.from_options` checks) of the wrong type: a number where a flag
+    belongs is refused here, not coerced."""
     for flag in ("speculative", "chat_template", "cache_prompt"):
         _check_type(flag, options[flag], bool, "True or False")
     _check_type("pipeline", options["pipeline"], (bool, type(None)), "True, False or None")
@@ -89,11 +90,14 @@ def _check_options(options: dict[str, Any]) -> None:
             f"chat_template_kwargs: {reserved[0]!r} is reserved (an argument of the chat "
             "template function itself); rename it."
         )
-    bias = options["logit_bias"] or {}
-    _check_type("logit_bias", bias, dict, "a dict of token id -> bias")
-    for token, value in bias.items():
-        _check_int("logit_bias token id", token, 0)
-        _check_type(f"logit_bias[{token}]", value, number, "a number")
+    _check_int("max_tokens", options["max_tokens"], 0)
+    _check_int("num_draft_tokens", options["num_draft_tokens"], 0, none_ok=True)
+    _check_int("seed", options["seed"], 0, none_ok=True)
+    stop = options["stop"]
+    if not (stop is None or isinstance(stop, str) or (
+        isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)
+    )):  # fmt: skip
+        raise OndeviceError(f"stop must be a string or a list of strings, got {stop!r}.")
 
 
 class Generator:
@@ -152,7 +156,7 @@ class Generator:
         self._fingerprints: dict[str, str] | None = None
         self._marks: tuple[str | None, str, tuple[str, ...]] | None = None  # _template_marks
         # the pair's rolling acceptance against the one its bundle recorded (runtime/drift.py)
-        from ondevice.models.hub import cache_dir
+        from ondevice.sources.hub import cache_dir
 
         drafts = pair.mlpackage or (pair.draft.path if pair.draft else None)
         self.drift = DriftMonitor(
@@ -161,6 +165,12 @@ class Generator:
             key=state_key(str(pair.verifier.path), str(drafts or "")),
             state_dir=cache_dir() / "drift",
         )
+
+    @property
+    def loaded_draft(self) -> LoadedModel | None:
+        """The draft as loaded (its MLX model, config, tokenizer and path), or None: no draft,
+        or a Core ML draft that won the placement and let its MLX twin go."""
+        return self._pair.draft
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -252,7 +262,7 @@ class Generator:
         expression. Both models' distributions are masked by it, so speculation stays exact for
         the constrained law. A grammar that no token of the vocabulary can begin is refused
         here; one that reaches such a state later ends its generation with a GrammarError."""
-        from ondevice.speculative import grammar as g
+        from ondevice.rules import grammar as g
 
         if sum(x is not None for x in (json_schema, lark, regex, gbnf)) != 1:
             raise OndeviceError("give exactly one of json_schema, lark, gbnf or regex.")
@@ -276,49 +286,47 @@ class Generator:
     def stream(
         self,
         prompt: Prompt,
+        *,
         max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
         seed: int | None = None,
-        num_draft_tokens: int | None = None,
-        speculative: bool = True,
         stop: str | Sequence[str] | None = None,
-        chat_template: bool = True,
+        speculative: bool = True,
         method: str = "chain",
+        num_draft_tokens: int | None = None,
         pipeline: bool | None = None,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logit_bias: dict[int, float] | None = None,
-        logprobs: int | None = None,
-        grammar: Grammar | None = None,
+        chat_template: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         cache_prompt: bool = True,
         domain: str | None = None,
         hide_tokens: Collection[int] = (),
         _cancel: threading.Event | None = None,
+        **sampling: Any,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are decided; the last chunk carries finish_reason and stats.
 
-        method: "chain" (a draft chain, the default), "tree" (a token tree verified in one
-        pass), "pld" (prompt lookup, no draft needed), "lookahead" (no draft needed),
-        "cascade" (the draft itself sped up by prompt lookup) or "auto".
+        prompt: text, chat messages ([{"role", "content"}, ...]) or token ids.
+        max_tokens: at most this many new tokens. seed: the sampling seed (None: random; the
+        same seed and settings give the same tokens). stop: a string or strings that end the
+        answer (not included).
+        **sampling: the fields of `SamplingParams` (`SAMPLING_FIELDS`): temperature, top_p,
+        top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias
+        (token id -> bias), grammar (from `Generator.grammar`), logprobs (report the verifier's
+        log-probabilities of the emitted tokens, and of the `logprobs` most likely). Every one
+        transforms the distribution of the verifier and of the draft alike, so speculation
+        stays exact for the transformed law; unknown names are refused.
+        speculative: False runs the verifier alone. method: a name in `METHODS` (the registry
+        `decoders/registry.py` says what each is and what a fixed num_draft_tokens means).
         pipeline: overlap drafting with verification (chain only); None picks what is faster
         for the draft backend. With the same seed and settings the tokens are the same,
         pipelined or not; another method or num_draft_tokens may use the random draws
         differently (the same distribution, other samples); at temperature 0 every choice gives
         the verifier's greedy tokens.
+        chat_template: apply the model's chat template to text and messages; tools,
+        chat_template_kwargs: passed to it (see `encode_prompt`).
         cache_prompt: start from the longest prefix of the prompt whose KV the prompt cache
         holds (`stats["cached_tokens"]`), and keep this generation's KV there; the tokens are
         the same either way.
-        min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias and
-        grammar (`speculative.grammar`) transform the distribution of the verifier and of the
-        draft alike, so speculation stays exact for the transformed law. logprobs: report the
-        verifier's log-probabilities of the emitted tokens (and of the `logprobs` most likely).
-        tools, chat_template_kwargs: passed to the chat template (see `encode_prompt`).
         domain: the kind of request ("code", "chat", "math", ...) whose draft acceptance this
         generation counts towards (see `acceptance_drift`); None counts it in one default bucket.
         hide_tokens: token ids whose text never appears in the chunks (special tokens, see
@@ -327,23 +335,9 @@ class Generator:
         turn, first come first served, and each gives the tokens it would give alone.
         """
         _check_options(locals())
-        try:
-            params = SamplingParams(
-                float(temperature), float(top_p), int(top_k), float(min_p),
-                float(repetition_penalty), float(presence_penalty), float(frequency_penalty),
-                logit_bias or (), grammar, logprobs,
-            )  # fmt: skip
-            Transform(params, self.verifier.vocab_size)  # token ids of logit_bias in range
-        except (ValueError, TypeError) as e:  # float(None), int("x"), ...
-            raise OndeviceError(f"invalid sampling option: {e}") from None
-        _check_int("max_tokens", max_tokens, 0)
-        _check_int("num_draft_tokens", num_draft_tokens, 0, none_ok=True)
-        _check_int("seed", seed, 0, none_ok=True)
+        params = self._sampling(sampling)
         domain = check_domain(domain)
-        if not (stop is None or isinstance(stop, str) or (
-            isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)
-        )):  # fmt: skip
-            raise OndeviceError(f"stop must be a string or a list of strings, got {stop!r}.")
+        registry.method(method)  # checked also when speculative=False, which decodes plainly
         ids = self.encode_prompt(
             prompt, chat_template, tools=tools, template_kwargs=chat_template_kwargs
         )
@@ -354,38 +348,72 @@ class Generator:
         cancel = _cancel or threading.Event()
 
         # greedy chain drafts are what the bundle's acceptance baseline measured
-        plain = (
-            params.temperature == 0
-            and grammar is None
-            and not logit_bias
-            and (repetition_penalty == 1 and presence_penalty == 0 and frequency_penalty == 0)
-        )
+        plain = params.greedy and not params.processed
         comparable = speculative and self.draft is not None and method == "chain" and plain
         bucket = self.drift.bucket(domain) if comparable else None
 
-        def job() -> Iterator[Chunk]:
-            for retry in (False, True):
-                dec = self._decoder(params, seed, num_draft_tokens, speculative, method, pipeline)
-                draft = self.draft if speculative else None
-                started = False
-                try:
-                    for chunk in self._cached_stream(
-                        dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket, hidden
-                    ):
-                        started = True
-                        yield chunk
-                    return
-                except CoreMLRuntimeError as e:
-                    # Core ML failed mid-use: this model moves to the MLX draft; a request
-                    # that has sent nothing yet starts again on it
-                    self._leave_core_ml(str(e))
-                    if started or retry:
-                        raise
+        def run() -> Iterator[Chunk]:  # the decoder is made anew after a Core ML failure
+            dec = self._decoder(params, seed, method, num_draft_tokens, pipeline, speculative)
+            draft = self.draft if speculative else None
+            return self._cached_stream(
+                dec, draft, ids, max_tokens, stops, cancel, cache_prompt, bucket, hidden
+            )
 
         # Queued on the model's thread behind the generations asked for earlier (by any
         # thread); the job never waits for its consumer, so a caller that starts a second
         # generation while reading the first one cannot deadlock.
-        yield from self._thread().iterate(job, cancel)
+        yield from self._thread().iterate(lambda: self._falling_back(run), cancel)
+
+    def _falling_back(self, run: Callable[[], Iterator[Chunk]]) -> Iterator[Chunk]:
+        """The chunks of `run()`; when Core ML fails mid-use this model moves to the MLX draft,
+        and a request that has sent nothing yet starts again on it."""
+        for retry in (False, True):
+            started = False
+            try:
+                for chunk in run():
+                    started = True
+                    yield chunk
+                return
+            except CoreMLRuntimeError as e:
+                self._leave_core_ml(str(e))
+                if started or retry:
+                    raise
+
+    def _sampling(self, sampling: dict[str, Any]) -> SamplingParams:
+        """The sampling parameters of `stream`'s sampling keywords, checked."""
+        unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise OndeviceError(
+                f"unknown option {unknown[0]!r}; the sampling options are "
+                f"{', '.join(SAMPLING_FIELDS)}."
+            )
+        try:
+            params = SamplingParams.from_options(sampling)
+            check_vocab(params, self.verifier.vocab_size)
+        except (ValueError, TypeError) as e:
+            raise OndeviceError(f"invalid sampling option: {e}") from None
+        return params
+
+    def _decoder(
+        self,
+        params: SamplingParams,
+        seed: int | None,
+        name: str,
+        num_draft_tokens: int | None,
+        pipeline: bool | None,
+        speculative: bool,
+    ) -> Decoder:
+        """The decoder of one generation (the pipelining default follows the draft backend,
+        which a Core ML failure changes)."""
+        spec = self._speculation(name, num_draft_tokens, pipeline, speculative)
+        draft = self.draft if speculative else None
+        dec = make_decoder(
+            self.verifier, draft, params, spec, eos_token_ids=self.tokenizer.eos_token_ids,
+            seed=seed,
+        )  # fmt: skip
+        if not speculative:
+            dec.skip_reason = "speculative=False"
+        return dec
 
     # -- the generation thread and the prompt cache -----------------------------------------
 
@@ -524,7 +552,7 @@ class Generator:
             )
 
         def work() -> None:
-            from ondevice.speculative.engine import prefill
+            from ondevice.rules.engine import prefill
 
             self.prompt_cache.restore(ids, self.verifier, self.draft)
             try:
@@ -547,27 +575,21 @@ class Generator:
             lambda: self.prompt_cache.load_file(path, self.verifier, self.draft, fingerprints)
         )
 
-    def _decoder(self, params, seed, num_draft_tokens, speculative, method, pipeline):
-        check_method(method)  # also when speculative=False, which decodes plainly
-        if pipeline is None:
+    def _speculation(
+        self, name: str, num_draft_tokens: int | None, pipeline: bool | None, speculative: bool
+    ) -> Speculation:
+        """The speculation settings of one generation."""
+        if pipeline is None:  # pipelined where the draft runs beside the verifier
             pipeline = (
                 self.placement.pipelined
                 if self.placement is not None
-                else self.draft_backend in PIPELINE_BY_DEFAULT
+                else self.draft_backend in BESIDE_VERIFIER
             )
-        dec = make_decoder(
-            method if speculative else "chain",
-            self.verifier,
-            self.draft if speculative else None,
-            params,
-            eos_token_ids=self.tokenizer.eos_token_ids,
-            seed=seed,
+        return Speculation(
+            method=name if speculative else "chain",
             num_draft_tokens=num_draft_tokens,
             pipeline=pipeline,
         )
-        if not speculative:
-            dec.skip_reason = "speculative=False"
-        return dec
 
     def _stream(self, dec, ids, max_tokens, stops, cancel, hidden=frozenset()):
         detok = self.tokenizer.detokenizer(hidden)
@@ -578,6 +600,8 @@ class Generator:
         )
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+        """The whole answer at once: `stream(prompt, **kwargs)` collected into a
+        GenerationResult (text, token ids, stats, finish_reason); the options are `stream`'s."""
         text, tokens = [], []
         last: Chunk | None = None
         for chunk in self.stream(prompt, **kwargs):
@@ -614,31 +638,10 @@ def _bundle_draft(pair: _Pair, b: Any, opts: dict[str, Any]) -> None:
         pair.extra.pop("reload_draft", None)
 
 
-def load(
-    verifier: str | Path,
-    draft: str | Path | None = None,
-    *,
-    draft_backend: str = "auto",
-    dtype: str | None = None,
-    quantize: int | None = None,
-    dequantize: bool | None = None,
-    prompt_cache: str | Path | None = None,
-    prompt_cache_bytes: int = DEFAULT_MAX_BYTES,
-) -> Generator:
-    """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
-    draft. A pair bundle brings its own draft (Core ML and MLX); `draft` may also be a bundle,
-    whose draft then serves this verifier (a fine-tuned one, say) and whose recorded
-    acceptance tells when the two agree less (`Generator.acceptance_drift`).
-
-    dequantize: expand quantized weights to float32 on load. Default: only where MLX runs on
-    the CPU (Linux), because there its quantized matmul costs grow with every token of a
-    verification block while a float32 GEMM (OpenBLAS) verifies 8 tokens for little more than
-    one (measured in docs/benchmarks.md). On Apple GPUs quantized weights stay quantized.
-
-    prompt_cache: a file written by `ondevice cache-prompt` (`Generator.save_prompt_cache`):
-    prompts that begin with its tokens start from its KV. prompt_cache_bytes: memory for the
-    KV of recent prompts and answers, reused by later prompts that share a prefix (0: off).
-    """
+def _check_load_arguments(
+    verifier: Any, draft: Any, draft_backend: Any, dtype: Any, quantize: Any, dequantize: Any
+) -> None:
+    """OndeviceError naming the first of `load`'s arguments that is wrong."""
     for name, value in (("verifier", verifier), ("draft", draft)):
         if value is None and name == "draft":
             continue
@@ -655,7 +658,40 @@ def load(
         )
     if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
         raise OndeviceError(f"unknown dtype {dtype!r}; choose float32, float16 or bfloat16.")
-    from ondevice.models.hub import resolve
+
+
+def load(
+    verifier: str | Path,
+    draft: str | Path | None = None,
+    *,
+    draft_backend: str = "auto",
+    dtype: str | None = None,
+    quantize: int | None = None,
+    dequantize: bool | None = None,
+    prompt_cache: str | Path | None = None,
+    prompt_cache_bytes: int = DEFAULT_MAX_BYTES,
+) -> Generator:
+    """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
+    draft. A pair bundle brings its own draft (Core ML and MLX); `draft` may also be a bundle,
+    whose draft then serves this verifier (a fine-tuned one, say) and whose recorded
+    acceptance tells when the two agree less (`Generator.acceptance_drift`).
+
+    draft_backend: where the draft runs: "auto" (Core ML where it runs, placed by measured
+    costs; else MLX), "coreml", "reference" (the package through the numpy executor) or "mlx".
+    dtype: "float32", "float16" or "bfloat16" for the weights (None: as stored).
+    quantize: 4 or 8 bits for the verifier's weights (None: as stored).
+
+    dequantize: expand quantized weights to float32 on load. Default: only where MLX runs on
+    the CPU (Linux), because there its quantized matmul costs grow with every token of a
+    verification block while a float32 GEMM (OpenBLAS) verifies 8 tokens for little more than
+    one (measured in docs/benchmarks.md). On Apple GPUs quantized weights stay quantized.
+
+    prompt_cache: a file written by `ondevice cache-prompt` (`Generator.save_prompt_cache`):
+    prompts that begin with its tokens start from its KV. prompt_cache_bytes: memory for the
+    KV of recent prompts and answers, reused by later prompts that share a prefix (0: off).
+    """
+    _check_load_arguments(verifier, draft, draft_backend, dtype, quantize, dequantize)
+    from ondevice.sources.hub import resolve
 
     if dequantize is None:
         dequantize = quantize is None and mx.default_device() == mx.cpu

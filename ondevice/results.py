@@ -8,9 +8,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from ondevice.decoders.base import Decoder
+from ondevice.rules.sampling import TokenLogprob
 from ondevice.runtime.memory import peak_footprint_bytes
-from ondevice.speculative.decoding import Decoder
-from ondevice.speculative.sampling import TokenLogprob
 
 
 @dataclass

@@ -10,8 +10,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from ondevice.decoders.chain import Round
 from ondevice.results import Chunk, generation_stats
-from ondevice.speculative.decoder import Round
 
 
 class StopMatcher:

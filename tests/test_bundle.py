@@ -12,13 +12,8 @@ from tiny import perturbed_copy, write_model
 
 from ondevice.convert import cli
 from ondevice.errors import BundleError
-from ondevice.models.bundle import (
-    FORMAT_VERSION,
-    is_bundle,
-    open_bundle,
-    read_manifest,
-    sha256_file,
-)
+from ondevice.models.bundle import FORMAT_VERSION, is_bundle, open_bundle, read_manifest
+from ondevice.sources.files import sha256_file
 
 CONTEXT, CHUNK = 64, 8
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ondevice.models.catalog import CatalogError, Pair, load_catalog
+from ondevice.sources.catalog import CatalogError, Pair, load_catalog
 
 SHA_A, SHA_B, SHA_W = "a" * 64, "b" * 64, "c" * 64
 

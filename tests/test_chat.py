@@ -21,7 +21,7 @@ import ondevice
 from ondevice.apps.chat_controller import ChatController, ChatEvent, ChatState, Settings
 from ondevice.apps.formatting import format_stats
 from ondevice.apps.installed import installed_bundles
-from ondevice.models.sizes import human_size
+from ondevice.sources.sizes import human_size
 
 CONTEXT = 8192  # room for the terminal test's long answers
 ROOT = Path(__file__).resolve().parents[1]

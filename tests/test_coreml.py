@@ -344,12 +344,13 @@ def test_truncated_vocabulary_draft_converts_only_its_rows(tmp):
     through the package stays exactly the verifier's greedy output."""
     from tiny import make_config, random_weights
 
+    from ondevice.decoders.chain import ChainDecoder
+    from ondevice.decoders.factory import make_decoder
     from ondevice.models.config import ModelConfig
     from ondevice.models.weights import build_model
-    from ondevice.runtime.decoders import make_decoder
+    from ondevice.proposers.resources import Speculation
+    from ondevice.rules.sampling import SamplingParams
     from ondevice.runtime.engines import MLXEngine
-    from ondevice.speculative.decoder import SpeculativeDecoder
-    from ondevice.speculative.sampling import SamplingParams
 
     raw = make_config(tie=True)
     K = raw["vocab_size"] // 2
@@ -369,17 +370,11 @@ def test_truncated_vocabulary_draft_converts_only_its_rows(tmp):
 
     verifier = build_model(ModelConfig.from_dict(raw), {k: mx.array(v) for k, v in weights.items()})
     greedy = SamplingParams(temperature=0.0)
-    plain = SpeculativeDecoder(MLXEngine(verifier), None, greedy)
+    plain = ChainDecoder(MLXEngine(verifier), None, greedy)
     want = [t for r in plain.run(tokens, 24) for t in r.tokens]
     for method in ("chain", "tree", "cascade"):
-        dec = make_decoder(
-            method,
-            MLXEngine(verifier),
-            ReferenceDraftEngine(pkg),
-            greedy,
-            num_draft_tokens=3,
-            profile=False,
-        )
+        spec = Speculation(method=method, num_draft_tokens=3, profile=False)
+        dec = make_decoder(MLXEngine(verifier), ReferenceDraftEngine(pkg), greedy, spec)
         rounds = list(dec.run(tokens, 24))
         assert [t for r in rounds for t in r.tokens] == want, method
         assert sum(r.accepted for r in rounds) > 0, method  # the draft (= the verifier) was used

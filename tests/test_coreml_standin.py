@@ -377,7 +377,7 @@ def test_the_package_drafts_cost_profile_key_follows_its_contents_and_the_os(
     import platform
     import shutil
 
-    from ondevice.runtime.treecost import engine_key
+    from ondevice.runtime.pass_costs import engine_key
 
     pkg = tmp_path / "d.mlpackage"
     shutil.copytree(models["state"], pkg)

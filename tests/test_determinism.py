@@ -18,11 +18,11 @@ from test_pipeline import Slow
 
 import ondevice
 import ondevice.api
+from ondevice.decoders.chain import ChainDecoder
+from ondevice.decoders.pipelined import PipelinedDecoder
 from ondevice.models import load_model
+from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.engines import MLXEngine
-from ondevice.runtime.pipeline import PipelinedDecoder
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams
 
 
 def _generation_threads() -> list[threading.Thread]:
@@ -82,7 +82,7 @@ def test_greedy_pipelined_block_lengths_do_not_depend_on_the_clock(engines):
     as the sequential decoder, and gives its tokens."""
     v, d = engines
     prompt = [5, 17, 33, 8, 61, 12]
-    seq = SpeculativeDecoder(v, d, SamplingParams(0.0), eos_token_ids=[tiny.EOS_ID])
+    seq = ChainDecoder(v, d, SamplingParams(0.0), eos_token_ids=[tiny.EOS_ID])
     expected = [t for r in seq.run(prompt, 40) for t in r.tokens]
     blocks = []
     for verify_delay, draft_delay in ((0.02, 0.0), (0.0, 0.01)):  # verifier or draft slow

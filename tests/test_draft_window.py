@@ -230,12 +230,13 @@ def test_without_a_draft_the_stats_say_so(bundle: Path) -> None:
 def test_a_bare_draft_engine_says_its_context_is_full(bundle: Path, draft_model) -> None:
     """Decoders given a draft engine without a window (not through `ondevice.load`) still say
     why they stopped drafting."""
-    from ondevice.runtime.decoders import make_decoder
-    from ondevice.speculative.sampling import SamplingParams
+    from ondevice.decoders.factory import make_decoder
+    from ondevice.proposers.resources import Speculation
+    from ondevice.rules.sampling import SamplingParams
 
     verifier = MLXEngine(load_model(bundle / "verifier").model)
     dec = make_decoder(
-        "chain", verifier, MLXEngine(draft_model, CONTEXT), SamplingParams(), profile=False
+        verifier, MLXEngine(draft_model, CONTEXT), SamplingParams(), Speculation(profile=False)
     )
     list(dec.run(list(range(5, 5 + 2 * CONTEXT)), 4))
     assert dec.stats.drafted == 0

@@ -13,14 +13,15 @@ from support.engines import MemoEngine, TableEngine
 from support.stats import chi_square_p, exact_joint
 
 import ondevice
+from ondevice.decoders.chain import ChainDecoder
+from ondevice.decoders.factory import make_decoder
+from ondevice.decoders.pipelined import PipelinedDecoder
 from ondevice.errors import OndeviceError
 from ondevice.models import load_model
 from ondevice.models.tokenizer import Tokenizer
-from ondevice.runtime.decoders import make_decoder
-from ondevice.runtime.pipeline import PipelinedDecoder
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.grammar import Grammar, GrammarError, ll_tokenizer
-from ondevice.speculative.sampling import SamplingParams
+from ondevice.proposers.resources import Speculation
+from ondevice.rules.grammar import Grammar, GrammarError, ll_tokenizer
+from ondevice.rules.sampling import SamplingParams
 
 # over the vocabulary of tiny.write_tokenizer(vocab_size=16): a=5, b=6, c..h=7..12, EOS=2.
 # Which tokens may follow depends on the first one, so the mask depends on the context.
@@ -189,7 +190,7 @@ def test_constrained_chain_and_pipeline_match_the_masked_law(tables, grammar16, 
     exact = exact_joint(ver, PROMPT, params)
 
     def chain(s):
-        dec = SpeculativeDecoder(ver, dra, params, seed=s, num_draft_tokens=2)
+        dec = ChainDecoder(ver, dra, params, seed=s, num_draft_tokens=2)
         return [t for r in dec.run(PROMPT, 2) for t in r.tokens]
 
     def pipe(s):
@@ -205,7 +206,7 @@ def test_constrained_chain_and_pipeline_match_the_masked_law(tables, grammar16, 
 @pytest.mark.slow
 def test_a_verifier_that_ignores_the_mask_fails(tables, grammar16, monkeypatch):
     """The draft masked, the verifier not: the output leaves the constrained law."""
-    from ondevice.speculative import decoder
+    from ondevice.rules import chooser as decoder
 
     ver, dra = tables
     params = SamplingParams(1.0, grammar=grammar16)
@@ -219,7 +220,7 @@ def test_a_verifier_that_ignores_the_mask_fails(tables, grammar16, monkeypatch):
     monkeypatch.setattr(decoder.TokenChooser, "decide", unmasked_decide)
 
     def chain(s):
-        dec = SpeculativeDecoder(ver, dra, params, seed=s, num_draft_tokens=2)
+        dec = ChainDecoder(ver, dra, params, seed=s, num_draft_tokens=2)
         return [t for r in dec.run(PROMPT, 2) for t in r.tokens]
 
     assert _p(_joint(chain, 5000), exact) < 1e-6
@@ -236,8 +237,8 @@ def test_constrained_tree_matches_the_masked_law(tmp_path, grammar16, mode):
 
     def tree(s):  # one seed per generation: a seed's randomness is keyed by position
         nonlocal accepted
-        dec = make_decoder("tree", ver, dra, params, seed=s, num_draft_tokens=2, profile=False,
-                           tree_mode=mode)  # fmt: skip
+        spec = Speculation(method="tree", num_draft_tokens=2, profile=False, tree_mode=mode)
+        dec = make_decoder(ver, dra, params, spec, seed=s)
         out: list[int] = []
         for r in dec.run(PROMPT, 3):
             out += r.tokens

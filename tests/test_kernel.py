@@ -9,13 +9,14 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import tiny
+from support.engines import TimedEngine
 
 import ondevice
+from ondevice.decoders.chain import ChainDecoder
 from ondevice.models import load_model
+from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime import blas, kernel
-from ondevice.runtime.engines import MLXEngine, TimedEngine
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams
+from ondevice.runtime.engines import MLXEngine
 
 pytestmark = pytest.mark.skipif(
     not kernel.available(), reason=f"no CPU kernel here: {kernel._unavailable or 'not on the CPU'}"
@@ -132,7 +133,7 @@ def test_the_draft_catches_up_in_one_call_per_round_where_it_is_batch_invariant(
     draft = TimedEngine(inner)
     assert draft.batch_invariant is served
     greedy = SamplingParams(temperature=0.0)
-    dec = SpeculativeDecoder(MLXEngine(v), draft, greedy, num_draft_tokens=1)
+    dec = ChainDecoder(MLXEngine(v), draft, greedy, num_draft_tokens=1)
     rounds = list(dec.run([5, 9, 14, 3, 22, 7], 24))
     full = sum(r.accepted == r.drafted == 1 for r in rounds)
     assert full > 0  # rounds that catch up on two tokens: the accepted draft and the bonus
@@ -140,7 +141,7 @@ def test_the_draft_catches_up_in_one_call_per_round_where_it_is_batch_invariant(
     # caught up (two after a fully accepted block: its last draft and the bonus token)
     calls = 1 + sum(r.drafted > 0 for r in rounds)
     assert draft.calls == calls if served else draft.calls > calls
-    plain = SpeculativeDecoder(MLXEngine(v), None, greedy)
+    plain = ChainDecoder(MLXEngine(v), None, greedy)
     tokens = [t for r in rounds for t in r.tokens]
     assert tokens == [t for r in plain.run([5, 9, 14, 3, 22, 7], 24) for t in r.tokens]
 

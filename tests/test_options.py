@@ -28,8 +28,8 @@ def _subparsers():
 
 def test_choices_are_the_apis():
     from ondevice.api import METHODS as API_METHODS
+    from ondevice.decoders.registry import METHODS as TREE_METHODS
     from ondevice.models.weights import DTYPES
-    from ondevice.runtime.decoders import METHODS as TREE_METHODS
     from ondevice.runtime.engines import DRAFT_BACKENDS
 
     assert set(options.METHODS) == set(API_METHODS) == set(TREE_METHODS)
@@ -123,3 +123,39 @@ def test_integers_reads_comma_separated_ids_and_names_the_flag_on_bad_input():
     assert integers("", "--x") == []
     with pytest.raises(OndeviceError, match=r"--prompt-ids must be comma-separated integers"):
         integers("1,two", "--prompt-ids")
+
+
+def test_every_sampling_field_reaches_every_front_end():
+    """One list of sampling fields (`SamplingParams`): the API takes each by name, the server's
+    requests carry each (or translate it, by name), every command's flags set each that a flag
+    can, and the chat's settings are stream options."""
+    import dataclasses
+    import inspect
+
+    from ondevice.api import Generator
+    from ondevice.apps.chat_controller import Settings
+    from ondevice.apps.openai_schema import (
+        SAMPLING_TRANSLATED,
+        ChatCompletionRequest,
+        CompletionRequest,
+    )
+    from ondevice.rules.sampling import SAMPLING_FIELDS, SamplingParams
+
+    assert SAMPLING_FIELDS == tuple(f.name for f in dataclasses.fields(SamplingParams))
+    for request in (ChatCompletionRequest, CompletionRequest):
+        missing = set(SAMPLING_FIELDS) - set(request.model_fields) - set(SAMPLING_TRANSLATED)
+        assert not missing, (request.__name__, missing)
+    generate = _subparsers()["generate"].parse_args(["--prompt", "x"])
+    flags = set(options.sampling_options(generate))
+    assert set(SAMPLING_FIELDS) - set(options.NO_SAMPLING_FLAG) <= flags
+    stream = set(inspect.signature(Generator.stream).parameters) | set(SAMPLING_FIELDS)
+    chat = {f.name for f in dataclasses.fields(Settings)} - {"extra"}
+    assert chat <= stream, chat - stream
+
+
+def test_sampling_params_take_keywords_only_after_temperature():
+    from ondevice.rules.sampling import SamplingParams
+
+    with pytest.raises(TypeError):
+        SamplingParams(1.0, 0.9)  # type: ignore[misc]
+    assert SamplingParams(1.0, top_p=0.9).top_p == 0.9

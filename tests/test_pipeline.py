@@ -10,16 +10,16 @@ import time
 import numpy as np
 import pytest
 import tiny
-from support.engines import TableEngine
+from support.engines import TableEngine, TimedEngine
 from support.stats import chi_square_p, exact_joint
 from test_tree import ALL_TRANSFORMS
 
+from ondevice.decoders.chain import ChainDecoder
+from ondevice.decoders.pipelined import PipelinedDecoder
 from ondevice.models import load_model
+from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.costmodel import CostModel
-from ondevice.runtime.engines import MLXEngine, TimedEngine
-from ondevice.runtime.pipeline import PipelinedDecoder
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams
+from ondevice.runtime.engines import MLXEngine
 
 GREEDY = SamplingParams(0.0)
 SAMPLE = SamplingParams(1.0)
@@ -93,7 +93,7 @@ def test_greedy_equals_sequential_and_verifier_alone(engines, draft, k):
     for prompt in _prompts(8):
         alone = _alone(v, prompt, 24)
         seq = _tokens(
-            SpeculativeDecoder(v, d, GREEDY, eos_token_ids=[EOS], num_draft_tokens=k), prompt, 24
+            ChainDecoder(v, d, GREEDY, eos_token_ids=[EOS], num_draft_tokens=k), prompt, 24
         )
         pipe = PipelinedDecoder(v, d, GREEDY, eos_token_ids=[EOS], num_draft_tokens=k)
         assert _tokens(pipe, prompt, 24) == seq == alone, prompt
@@ -154,7 +154,7 @@ def test_reference_backend_greedy(models, engines, tmp_path):
     accepted = 0
     for prompt in _prompts(6, seed=2):
         alone = _alone(v, prompt, 24)
-        seq = _tokens(SpeculativeDecoder(v, ref, GREEDY, eos_token_ids=[EOS]), prompt, 24)
+        seq = _tokens(ChainDecoder(v, ref, GREEDY, eos_token_ids=[EOS]), prompt, 24)
         pipe = PipelinedDecoder(v, ref, GREEDY, eos_token_ids=[EOS])
         assert _tokens(pipe, prompt, 24) == seq == alone
         accepted += pipe.stats.accepted
@@ -170,7 +170,7 @@ def test_sampling_equals_sequential_under_any_timing(engines, rule, k):
     v, d = engines["verifier"], engines["near"]
     for i, prompt in enumerate(_prompts(6, seed=4)):
         kw = dict(eos_token_ids=[EOS], seed=100 + i, num_draft_tokens=k, rule=rule)
-        seq = _tokens(SpeculativeDecoder(v, d, SAMPLE, **kw), prompt, 30)
+        seq = _tokens(ChainDecoder(v, d, SAMPLE, **kw), prompt, 30)
         assert _tokens(PipelinedDecoder(v, d, SAMPLE, **kw), prompt, 30) == seq
         # a slow verifier (lots of pre-drafting) or a slow draft (little): the same tokens
         assert _tokens(PipelinedDecoder(Slow(v, 0.004), d, SAMPLE, **kw), prompt, 30) == seq
@@ -180,9 +180,7 @@ def test_sampling_equals_sequential_under_any_timing(engines, rule, k):
 def test_coupled_sampling_equals_plain_sampling(engines):
     v, d = engines["verifier"], engines["near"]
     for i, prompt in enumerate(_prompts(4, seed=5)):
-        plain = _tokens(
-            SpeculativeDecoder(v, None, SAMPLE, eos_token_ids=[EOS], seed=i), prompt, 30
-        )
+        plain = _tokens(ChainDecoder(v, None, SAMPLE, eos_token_ids=[EOS], seed=i), prompt, 30)
         pipe = PipelinedDecoder(v, d, SAMPLE, eos_token_ids=[EOS], seed=i, rule="coupled")
         assert _tokens(pipe, prompt, 30) == plain
 
@@ -305,7 +303,7 @@ def test_extra_stats(engines):
         assert 0 < busy and idle + busy <= wall + 1e-6
         assert s["overlap"] * (idle + busy) <= busy + 1e-6
     assert s["wasted_drafts"] >= 0 and s["pipelined"] is True
-    seq = SpeculativeDecoder(engines["verifier"], engines["near"], GREEDY, eos_token_ids=[EOS])
+    seq = ChainDecoder(engines["verifier"], engines["near"], GREEDY, eos_token_ids=[EOS])
     _tokens(seq, _prompts(1, seed=9)[0], 30)
     assert set(seq.extra_stats()) <= set(s) and seq.extra_stats()["overlap"] == 0
 

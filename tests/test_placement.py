@@ -10,8 +10,8 @@ import tiny
 
 from ondevice.models import load_model
 from ondevice.runtime.engines import MLXEngine
+from ondevice.runtime.pass_costs import SIZES, CostProfile, device_name, engine_key, profile_path
 from ondevice.runtime.placement import choose, place_draft, predicted_model
-from ondevice.runtime.treecost import SIZES, CostProfile, device_name, engine_key, profile_path
 
 
 def flat(ms: float) -> CostProfile:

@@ -11,16 +11,16 @@ import pytest
 from support.engines import TableEngine, TreeTableEngine
 from support.enumeration import law
 
-from ondevice.runtime.auto import AutoProposer
-from ondevice.runtime.treecost import CostProfile, best_size, engine_key, load_profile
-from ondevice.speculative.cascade import CascadeProposer
-from ondevice.speculative.draft_tree import DraftState, DraftTreeProposer
-from ondevice.speculative.lookahead import Lookahead
-from ondevice.speculative.lookup import AcceptanceModel, NgramIndex, PromptLookup
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.proposers import NoProposal
-from ondevice.speculative.sampling import SamplingParams
-from ondevice.speculative.tree import TokenTree
+from ondevice.proposers.auto import AutoProposer
+from ondevice.proposers.base import NoProposal, Verification
+from ondevice.proposers.cascade import CascadeProposer
+from ondevice.proposers.draft_tree import DraftState, DraftTreeProposer
+from ondevice.proposers.lookahead import Lookahead
+from ondevice.proposers.lookup import AcceptanceModel, NgramIndex, PromptLookup
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.sampling import SamplingParams
+from ondevice.rules.token_tree import TokenTree
+from ondevice.runtime.pass_costs import CostProfile, best_size, engine_key, load_profile
 
 V = 12
 
@@ -89,7 +89,7 @@ def test_lookahead_window_layout_pool_and_update():
     for (r, j), node in cells.items():
         target[node] = 20 + 10 * r + j  # the verifier's argmax after each cell
     # accept nothing; the verifier's token after the root is 5
-    la.observe(seq, tree, [], 5, target)
+    la.observe(seq, tree, Verification([], 5, target))
     assert (1, 10, 30) in [(k, *v) for k, vs in la.pool.items() for v in vs]  # column 0 n-gram
     assert la.grid[0] == [10, 11, 9] and la.grid[1] == [30, 31, 32]
     # accepting two tokens shifts the window left by one more
@@ -99,7 +99,7 @@ def test_lookahead_window_layout_pool_and_update():
     target = np.zeros(len(tree), int)
     for (r, j), node in la._cells.items():
         target[node] = 20 + 10 * r + j
-    la.observe(seq, tree, [a], 5, target)
+    la.observe(seq, tree, Verification([a], 5, target))
     assert la.grid[0][:2] == [11, 9] and la.grid[1][:2] == [31, 32]
     # depth limit: nothing deeper than max_depth
     assert la.propose([*seq, 1, 5], 2, PositionNoise(0)).max_depth <= 2
@@ -135,7 +135,7 @@ def test_static_and_chain_trees_from_the_draft():
     tree = prop.propose([5, 6], 5, PositionNoise(0))
     # after 6 the draft ranks 7 first and 9 second; then 8, then 5
     assert tree.path_tokens(len(tree) - 1) == [7, 8, 5] and 9 in tree.children[0]
-    chain = DraftTreeProposer(eng, V, SamplingParams(), mode="chain", budget=3)
+    chain = DraftTreeProposer(eng, V, SamplingParams(), mode="path", budget=3)
     chain.reset([5, 6])
     assert chain.propose([5, 6], 5, PositionNoise(0)).path_tokens(3) == [7, 8, 5]
     assert chain.propose([5, 6], 2, PositionNoise(0)).size == 2  # depth cap
@@ -151,7 +151,7 @@ def test_dynamic_tree_keeps_the_most_probable_nodes():
     assert tree.path_tokens(tree.children[tree.children[tree.children[0][7]][8]][5]) == [7, 8, 5]
     # every kept node's ancestors are kept (subtree), and the draft cache commits the path
     assert tree.path_tokens(3) == [7, 8]
-    prop.observe([5, 6], tree, tree.path(3), 0, np.zeros(len(tree), int))
+    prop.observe([5, 6], tree, Verification(tree.path(3), 0, np.zeros(len(tree), int)))
     assert prop.state.tokens == eng.tokens == [5, 6, 7, 8]  # only the accepted path stays cached
 
 
@@ -160,7 +160,7 @@ def test_dynamic_tree_grows_only_as_deep_as_the_costs_pay():
     draft is not asked for levels the pass could not afford to check; where a pass over 3 to 8
     tokens costs about the same but far more than over 2 (MKL on 2 cores), one more level does
     not pay but several do, so it grows deep; on a flat, GPU-like profile too."""
-    from ondevice.runtime.decoders import _rate
+    from ondevice.proposers.base import cost_rate as _rate
 
     steep = CostProfile([1, 2, 3, 4], [0.26, 0.28, 0.39, 0.49])
     step = CostProfile([1, 2, 3, 8], [0.198, 0.272, 0.46, 0.516])  # the 1.5B verifier, MKL
@@ -239,7 +239,7 @@ class _Fixed:
         t.add_path(range(self.n))
         return t
 
-    def observe(self, seq, tree, path, token, target):
+    def observe(self, seq, tree, verdict):
         pass
 
 
@@ -249,7 +249,8 @@ def _drive(auto, rounds):
         tree = auto.propose(seq, 10, PositionNoise(0))
         current = next(p for p in auto.proposers if p.name == auto.last_name)
         good = getattr(current, "good", 0)
-        auto.observe(seq, tree, tree.path(good) if good else [], 0, np.zeros(len(tree), int))
+        path = tree.path(good) if good else []
+        auto.observe(seq, tree, Verification(path, 0, np.zeros(len(tree), int)))
 
 
 def test_auto_settles_on_the_best_tokens_per_second():
@@ -319,7 +320,7 @@ def test_proposers_of_one_draft_share_what_they_learn_about_its_acceptance():
     assert tree.calibration(1) == chain.calibration(1) == 1.0  # the prior
     for _ in range(4):  # the verifier never follows the draft
         t = chain.propose(seq, 8, PositionNoise(0))
-        chain.observe(seq, t, [], 0, np.zeros(len(t), int))
+        chain.observe(seq, t, Verification([], 0, np.zeros(len(t), int)))
         seq.append(0)
     assert tree.calibration(1) == chain.calibration(1) < 0.25
     lone = DraftTreeProposer(DraftState(TreeTableEngine.cycle(), V), V, SamplingParams())
@@ -343,7 +344,7 @@ def test_auto_charges_a_draft_round_its_own_work_not_the_catch_up_on_others_toke
     def round_(expected: str, accepted: list[int]) -> None:
         tree = auto.propose(seq, 8, PositionNoise(0))
         assert auto.last_name == expected
-        auto.observe(seq, tree, accepted, 0, np.zeros(len(tree), int))
+        auto.observe(seq, tree, Verification(accepted, 0, np.zeros(len(tree), int)))
 
     round_("chain", [1])  # explored first: the draft was one token behind (steady)
     assert state.switch_work == switching and auto.seconds[0] == pytest.approx(pc(1) + verify(2))

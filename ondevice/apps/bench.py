@@ -107,8 +107,8 @@ def _check_args(args: argparse.Namespace) -> None:
 def _models(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.model or args.verifier:
         return args.model or args.verifier, args.draft
-    from ondevice.models.catalog import load_catalog
-    from ondevice.models.pull import pull
+    from ondevice.sources.catalog import load_catalog
+    from ondevice.sources.pull import pull
 
     pair = load_catalog().pair()  # fetched on first use, like ondevice demo
     shipped = str(pair.draft) if pair.draft is not None and pair.draft.exists() else None

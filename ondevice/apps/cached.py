@@ -12,7 +12,7 @@ from typing import Any
 from ondevice.apps import options
 from ondevice.apps.installed import InstalledModel, installed_models
 from ondevice.errors import ModelNotFoundError, did_you_mean
-from ondevice.models.sizes import human_size
+from ondevice.sources.sizes import human_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -116,7 +116,7 @@ def _details(m: InstalledModel) -> dict[str, Any]:
     if m.kind == "bundle":
         d.update(_bundle_details(m))
     else:
-        from ondevice.models.catalog import load_catalog
+        from ondevice.sources.catalog import load_catalog
 
         entry = load_catalog().model(m.name)
         if entry is not None:

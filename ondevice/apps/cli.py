@@ -37,13 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ondevice {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"ondevice.apps.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"ondevice.apps.{name}":
-                continue  # subcommand not part of this build
-            raise
-        module.register(sub)
+        importlib.import_module(f"ondevice.apps.{name}").register(sub)
     return parser
 
 

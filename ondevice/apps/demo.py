@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--method",
         default="auto",
-        choices=options.METHODS,
+        choices=list(options.METHODS),
         help="speculation method (default: auto, which picks per round among the draft, prompt "
         "lookup and plain steps by measured acceptance and cost)",
     )
@@ -52,7 +52,7 @@ def _draft_digest(draft: Path) -> str:
     package version) is never reused."""
     import hashlib
 
-    from ondevice.models.bundle import sha256_file
+    from ondevice.sources.files import sha256_file
 
     h = hashlib.sha256()
     for f in sorted(draft.iterdir()):
@@ -83,9 +83,9 @@ def ensure_bundle(pair_name: str | None = None) -> str:
 
     from ondevice.errors import OndeviceError
     from ondevice.models.bundle import is_bundle
-    from ondevice.models.catalog import load_catalog
-    from ondevice.models.hub import cache_dir
-    from ondevice.models.pull import pull
+    from ondevice.sources.catalog import load_catalog
+    from ondevice.sources.hub import cache_dir
+    from ondevice.sources.pull import pull
 
     cat = load_catalog()
     pair = cat.pair(pair_name)

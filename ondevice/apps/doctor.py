@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ondevice.models.sizes import human_size as human
 from ondevice.runtime import blas
+from ondevice.sources.sizes import human_size as human
 
 _BLAS_SYMBOL = "cblas_sgemm"  # what libmlx calls for float32 matrix products
 
@@ -159,8 +159,8 @@ def _native_module(name: str) -> str:
 
 def _last_fallback() -> dict[str, Any] | None:
     """The last time a draft fell back from Core ML, and why (written by the draft engine)."""
-    from ondevice.models.hub import cache_dir
     from ondevice.runtime.coreml_engines import FALLBACK_RECORD
+    from ondevice.sources.hub import cache_dir
 
     try:
         return json.loads((cache_dir() / FALLBACK_RECORD).read_text())
@@ -307,8 +307,8 @@ def blas_fix() -> str:
 def _draft_drift(warnings: list[str]) -> list[dict[str, Any]]:
     """Drift alarms that generations (serve, the API) left up: a draft the verifier no longer
     agrees with as it did when the bundle was made (runtime/drift.py)."""
-    from ondevice.models.hub import cache_dir
     from ondevice.runtime.drift import describe_alarm, recorded_alarms
+    from ondevice.sources.hub import cache_dir
 
     alarms = recorded_alarms(cache_dir() / "drift")
     warnings += [line for a in alarms for line in describe_alarm(a)]
@@ -316,7 +316,7 @@ def _draft_drift(warnings: list[str]) -> list[dict[str, Any]]:
 
 
 def _cache() -> dict[str, Any]:
-    from ondevice.models.hub import cache_dir
+    from ondevice.sources.hub import cache_dir
 
     root = cache_dir()
     models_root = root / "models"

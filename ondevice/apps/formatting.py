@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ondevice.models.sizes import human_size
+from ondevice.sources.sizes import human_size
 
 
 def format_stats(stats: dict[str, Any] | None) -> str:

@@ -18,7 +18,7 @@ class InstalledModel:
 def installed_bundles(root: Path | None = None) -> list[InstalledModel]:
     """Pair bundles under `root` (default: the cache's `bundles` folder), with sizes on disk."""
     if root is None:
-        from ondevice.models.hub import cache_dir
+        from ondevice.sources.hub import cache_dir
 
         root = cache_dir() / "bundles"
     if not root.is_dir():
@@ -35,7 +35,7 @@ def installed_models(cache: Path | None = None) -> list[InstalledModel]:
     them, hub ids with "/") and pair bundles (`bundles/`). Staging folders of interrupted
     pulls and conversions (hidden names) are left out."""
     if cache is None:
-        from ondevice.models.hub import cache_dir
+        from ondevice.sources.hub import cache_dir
 
         cache = cache_dir()
     found = []

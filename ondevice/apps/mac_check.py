@@ -27,7 +27,7 @@ VERIFY_SIZES = (1, 2, 4, 8)
 
 def _profile(engine: Any, sizes: tuple[int, ...], context: int) -> dict[str, float]:
     """Milliseconds of a pass over n new tokens after `context` tokens, for each n."""
-    from ondevice.runtime.treecost import measure
+    from ondevice.runtime.pass_costs import measure
 
     prof = measure(engine, sizes, context=context, repeats=5, budget_s=20.0)
     return {str(n): round(1000 * s, 3) for n, s in zip(prof.sizes, prof.seconds, strict=True)}
@@ -135,7 +135,7 @@ def main(args: Any) -> int:
     """`ondevice doctor --mac-check`: run the check and write its JSON to `args.out`."""
     from ondevice.convert.coreml import COMPRESSIONS
     from ondevice.errors import OndeviceError
-    from ondevice.models.catalog import load_catalog
+    from ondevice.sources.catalog import load_catalog
 
     verifier, draft = args.model, args.draft
     if verifier is None or draft is None:  # the default pair's models (fetched if missing)

@@ -55,7 +55,7 @@ from pathlib import Path
 from ondevice.apps.chat_controller import ChatController, ChatState
 from ondevice.apps.formatting import format_limits, format_stats
 from ondevice.apps.installed import InstalledModel, installed_bundles
-from ondevice.models.sizes import human_size
+from ondevice.sources.sizes import human_size
 
 TITLES = {  # the status item's text for each controller state
     ChatState.IDLE: "◯",

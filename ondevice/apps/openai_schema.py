@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ondevice.models.tokenizer import RESERVED_TEMPLATE_ARGS
+from ondevice.rules.sampling import SAMPLING_FIELDS
 
 __all__ = [
     "APIError",
@@ -203,11 +204,12 @@ def _from_extensions(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-# request fields passed to `Generator.stream` as they are
-_SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "seed",
-)  # fmt: skip
+# Request fields passed to `Generator.stream` as they are: the seed and the sampling fields
+# (`SamplingParams`), but those this API spells its own way (`SAMPLING_TRANSLATED`: logit_bias's
+# keys are strings, a grammar comes from grammar / json_schema / response_format, logprobs from
+# logprobs / top_logprobs). A new sampling field is a field of `_Request` below.
+SAMPLING_TRANSLATED = ("logit_bias", "grammar", "logprobs")
+_SAMPLING_FIELDS = (*(f for f in SAMPLING_FIELDS if f not in SAMPLING_TRANSLATED), "seed")
 
 
 class _Request(BaseModel):

@@ -13,13 +13,14 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ondevice.decoders.registry import METHODS
 from ondevice.errors import OndeviceError
 
 if TYPE_CHECKING:
     from ondevice.api import Generator
 
-# the same lists as ondevice.api.METHODS, runtime.engines.DRAFT_BACKENDS and load()'s dtypes
-METHODS = ("chain", "tree", "pld", "lookahead", "cascade", "auto")
+# the same lists as runtime.engines.DRAFT_BACKENDS and load()'s dtypes (test_options checks);
+# the methods are the registry's (decoders/registry.py)
 DRAFT_BACKENDS = ("auto", "coreml", "reference", "mlx")
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZE_BITS = (4, 8)
@@ -102,7 +103,7 @@ def use_default_pair(args: argparse.Namespace) -> None:
     if getattr(args, "draft", None):
         raise OndeviceError("--draft needs --model: name the verifier it drafts for.")
     from ondevice.apps.demo import ensure_bundle
-    from ondevice.models.catalog import load_catalog
+    from ondevice.sources.catalog import load_catalog
 
     pair = load_catalog().pair()
     print(f"[ondevice] no --model: using the default pair {pair.name}", file=sys.stderr)
@@ -157,17 +158,25 @@ def add_sampling_arguments(p: Any, *, temp: float = 0.0, max_tokens: int = 256) 
     p.add_argument("--no-speculative", action="store_true", help="run the verifier alone")
 
 
+# sampling fields whose flag is spelled otherwise (mlx-lm's --temp), and those no flag sets
+# (a grammar and logit_bias are objects, logprobs a report the commands do not print)
+SAMPLING_DEST = {"temperature": "temp"}
+NO_SAMPLING_FLAG = ("grammar", "logit_bias", "logprobs")
+
+
 def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
-    """`Generator.stream` keyword arguments from `add_sampling_arguments`' options."""
+    """`Generator.stream` keyword arguments from `add_sampling_arguments`' options: every
+    sampling field (`SAMPLING_FIELDS`) that has a flag, and the rest of the generation's."""
+    from ondevice.rules.sampling import SAMPLING_FIELDS
+
+    sampling = {
+        f: getattr(args, SAMPLING_DEST.get(f, f))
+        for f in SAMPLING_FIELDS
+        if f not in NO_SAMPLING_FLAG
+    }
     return {
         "max_tokens": args.max_tokens,
-        "temperature": args.temp,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "min_p": args.min_p,
-        "repetition_penalty": args.repetition_penalty,
-        "presence_penalty": args.presence_penalty,
-        "frequency_penalty": args.frequency_penalty,
+        **sampling,
         "seed": args.seed,
         "stop": args.stop,
         "num_draft_tokens": args.num_draft_tokens,
@@ -206,8 +215,10 @@ def add_method_arguments(p: Any, default: str = "chain") -> None:
     p.add_argument(
         "--method",
         default=default,
-        choices=METHODS,
-        help=f"how tokens are proposed; pld and lookahead need no draft (default: {default})",
+        choices=list(METHODS),
+        help="how tokens are proposed: "
+        + "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
+        + f" (default: {default})",
     )
     p.add_argument(
         "--pipeline",

@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ondevice.models.pull import pull
+    from ondevice.sources.pull import pull
 
     path = pull(args.name, source=args.source, force=args.force, quiet=args.quiet)
     print(path)

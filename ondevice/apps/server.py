@@ -334,16 +334,49 @@ class OpenAIServer:
         """Generation keyword arguments; checks the prompt and max_tokens against the context.
         The result also holds `thinking` for `Shape` (the caller takes it out): None when no
         thinking is split, else whether the prompt already opened a <think> block."""
-        context = self.gen.context_length
-        where = "messages" if chat_template else "prompt"
-        # the chat template's inputs besides the messages: tools, keyword arguments (the
-        # server's --chat-template-args, overridden per request)
+        tools, kwargs = self._template_inputs(req)
+        n_prompt, opened = await self._count_prompt(request, prompt, chat_template, tools, kwargs)
+        grammar = await self._grammar(req, tools)
+        self._check_prompt(req, n_prompt, "messages" if chat_template else "prompt")
+        max_tokens, defaults = self._max_tokens(req, n_prompt)
+        stop = req.stop_list()
+        if tools and not getattr(req, "parallel_tool_calls", True):
+            # one call at most: the answer ends with the first call's closing tag
+            stop = [*(stop or ()), tool_calls.CLOSE]
+        return {
+            "thinking": (opened if self.reasoning and chat_template else None),
+            "max_tokens": max_tokens,
+            **req.sampling(),
+            "logprobs": req.logprobs_count(),
+            "tools": tools,
+            "chat_template_kwargs": kwargs or None,
+            "grammar": grammar,
+            "num_draft_tokens": req.num_draft_tokens,
+            "speculative": req.speculative,
+            "stop": stop,
+            "chat_template": chat_template,
+            "cache_prompt": req.cache_prompt,
+            "hide_tokens": self.hidden_tokens,
+            **defaults,  # the server's values for fields this request left out
+        }
+
+    def _template_inputs(self, req: Any) -> tuple[list[dict] | None, dict[str, Any]]:
+        """The chat template's inputs besides the messages: tools, keyword arguments (the
+        server's --chat-template-args, overridden per request)."""
         tools = req.tool_list() if isinstance(req, ChatCompletionRequest) else None
         kwargs = {**self.chat_template_kwargs, **(getattr(req, "chat_template_kwargs", None) or {})}
         if getattr(req, "reasoning_effort", None) is not None:  # for templates that read it
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-        chat = {"tools": tools, "template_kwargs": kwargs or None}
+        return tools, kwargs
 
+    async def _count_prompt(
+        self, request: Request, prompt: Any, chat_template: bool, tools: Any, kwargs: dict
+    ) -> tuple[int | None, bool]:
+        """(the prompt's tokens, None when surely longer than the context; whether it ends
+        with an opened <think>), rendered off the event loop and abandoned if the client
+        leaves."""
+        context = self.gen.context_length
+        chat = {"tools": tools, "template_kwargs": kwargs or None}
         cancel = threading.Event()  # set when the client leaves
         opened = False  # the prompt ends with <think>: the answer starts thinking
 
@@ -363,20 +396,31 @@ class OpenAIServer:
             try:  # a rendering left behind stops at its next piece of output
                 return await anyio.to_thread.run_sync(count, abandon_on_cancel=True)
             except OndeviceError as e:
+                where = "messages" if chat_template else "prompt"
                 raise APIError(400, str(e), param=where) from None
             finally:
                 cancel.set()
 
         n_prompt = await until_disconnect(request, counted())
-        grammar, constrained = None, req.grammar_spec()
+        return n_prompt, opened
+
+    async def _grammar(self, req: Any, tools: Any) -> Any:
+        """The grammar the request constrains its answer with (a forced tool call's, or its
+        grammar / json_schema / response_format), or None."""
+        constrained = req.grammar_spec()
         if tools and req.forced_tool()[0]:  # the answer must be one call: a grammar says so
             constrained = "tool_choice", {"lark": tool_call_grammar(tools, req.forced_tool()[1])}
-        if constrained is not None:
-            param, spec = constrained
-            try:  # the first grammar of a model also reads its vocabulary (~0.5 s)
-                grammar = await anyio.to_thread.run_sync(lambda: self.gen.grammar(**spec))
-            except OndeviceError as e:
-                raise APIError(400, f"{param}: {e}", param=param) from None
+        if constrained is None:
+            return None
+        param, spec = constrained
+        try:  # the first grammar of a model also reads its vocabulary (~0.5 s)
+            return await anyio.to_thread.run_sync(lambda: self.gen.grammar(**spec))
+        except OndeviceError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
+
+    def _check_prompt(self, req: Any, n_prompt: int | None, where: str) -> None:
+        """APIError 400 for an empty prompt, or one (or a num_ctx) beyond the context."""
+        context = self.gen.context_length
         if n_prompt is None:
             raise APIError(
                 400,
@@ -402,6 +446,11 @@ class OpenAIServer:
                 "tokens), which is fixed when it is loaded.",
                 param="options.num_ctx",
             )
+
+    def _max_tokens(self, req: Any, n_prompt: int) -> tuple[int, dict[str, Any]]:
+        """(max_tokens, the server's defaults for the other fields the request left out):
+        without a limit, what fits in the context; one that does not fit is an APIError."""
+        context = self.gen.context_length
         given = req.model_fields_set
         defaults = {k: v for k, v in self.request_defaults.items() if k not in given}
         if "max_completion_tokens" in given:
@@ -420,26 +469,7 @@ class OpenAIServer:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        stop = req.stop_list()
-        if tools and not getattr(req, "parallel_tool_calls", True):
-            # one call at most: the answer ends with the first call's closing tag
-            stop = [*(stop or ()), tool_calls.CLOSE]
-        return {
-            "thinking": (opened if self.reasoning and chat_template else None),
-            "max_tokens": max_tokens,
-            **req.sampling(),
-            "logprobs": req.logprobs_count(),
-            "tools": tools,
-            "chat_template_kwargs": kwargs or None,
-            "grammar": grammar,
-            "num_draft_tokens": req.num_draft_tokens,
-            "speculative": req.speculative,
-            "stop": stop,
-            "chat_template": chat_template,
-            "cache_prompt": req.cache_prompt,
-            "hide_tokens": self.hidden_tokens,
-            **defaults,  # the server's values for fields this request left out
-        }
+        return max_tokens, defaults
 
     # -- endpoints ------------------------------------------------------------------------------
 

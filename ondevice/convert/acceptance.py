@@ -46,19 +46,18 @@ def measure(
     """The manifest's `acceptance` section: per domain, the accepted positions, the rounds cut
     short and the tokens of a greedy chain generation of `max_tokens` from its prompt (cut to
     fit both models' context). `verifier` and `draft` are MLX models."""
-    from ondevice.runtime.decoders import make_decoder
+    from ondevice.decoders.factory import make_decoder
+    from ondevice.proposers.resources import Speculation
+    from ondevice.rules.sampling import SamplingParams
     from ondevice.runtime.engines import MLXEngine
-    from ondevice.speculative.sampling import SamplingParams
 
     domains = {}
     for name, ids in prompts.items():
         v, d = MLXEngine(verifier), MLXEngine(draft)
         room = min(v.context_length, d.context_length) - max_tokens - NUM_DRAFT_TOKENS - 2
         ids = list(ids)[: max(room, 1)]
-        dec = make_decoder(
-            "chain", v, d, SamplingParams(temperature=0.0), eos_token_ids=eos_token_ids,
-            num_draft_tokens=NUM_DRAFT_TOKENS, profile=False,
-        )  # fmt: skip
+        spec = Speculation(num_draft_tokens=NUM_DRAFT_TOKENS, profile=False)
+        dec = make_decoder(v, d, SamplingParams(temperature=0.0), spec, eos_token_ids=eos_token_ids)
         tokens = sum(len(r.tokens) for r in dec.run(ids, max_tokens))
         s = dec.stats
         domains[name] = {

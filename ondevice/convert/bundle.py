@@ -30,14 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ondevice.errors import BundleError
-from ondevice.models.bundle import (
-    FORMAT_VERSION,
-    MANIFEST,
-    is_sampled,
-    process_alive,
-    sample_sha256,
-    sha256_file,
-)
+from ondevice.models.bundle import FORMAT_VERSION, MANIFEST, is_sampled, sample_sha256
+from ondevice.sources.files import process_alive, sha256_file
 
 
 def file_entries(

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from ondevice.errors import ModelFormatError
 from ondevice.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from ondevice.models.hub import resolve
 from ondevice.models.tokenizer import Tokenizer
+from ondevice.sources.hub import resolve
 
 if TYPE_CHECKING:
     from ondevice.models.transformer import Model

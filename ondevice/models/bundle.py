@@ -18,12 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Literal
 
 from ondevice.errors import BundleError
+from ondevice.sources.files import sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -69,17 +69,6 @@ def is_bundle(path: str | Path) -> bool:
     """True if `path` is a directory with a manifest.json (a pair bundle, maybe a broken one)."""
     p = Path(path).expanduser()
     return p.is_dir() and (p / MANIFEST).is_file()
-
-
-def sha256_file(path: Path, progress: Callable[[int], object] | None = None) -> str:
-    """Hex sha256 of a file, read in blocks; `progress(n)` is told each block's size."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            h.update(block)
-            if progress is not None:
-                progress(len(block))
-    return h.hexdigest()
 
 
 def sample_sha256(path: Path, size: int | None = None) -> str:
@@ -160,17 +149,6 @@ def _is_hex64(v: Any) -> bool:
 
 
 _PATHS = (("verifier", "path"), ("draft", "mlx"), ("draft", "mlpackage"), ("tokenizer", "path"))
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` exists: staging folders named after a dead one are leftovers."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists, owned by someone else
-    return True
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:

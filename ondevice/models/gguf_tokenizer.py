@@ -377,7 +377,7 @@ def _family(tok: HFTokenizer) -> str | None:
 
 def _source_gguf(source: Any) -> Path | None:
     """The GGUF file a bundle was converted from, if it is still on this machine."""
-    from ondevice.models.hub import cache_dir
+    from ondevice.sources.hub import cache_dir
 
     if not isinstance(source, str) or not source:
         return None

@@ -176,8 +176,10 @@ class Model(nn.Module):
         positions: mx.array | None = None,
         mask: mx.array | None = None,
         last_only: bool = False,
-    ) -> mx.array:
-        """Logits (B, L, vocab) for `tokens`, appended to `cache` if given.
+        hidden: bool = False,
+    ) -> mx.array | tuple[mx.array, mx.array]:
+        """Logits (B, L, vocab) for `tokens`, appended to `cache` if given; with `hidden`,
+        (logits, the last hidden states (B, L, hidden_size) after the final norm).
 
         positions: per-token positions, shape (L,) or (B, L); default: the next L positions
             after the cache (a plain continuation).
@@ -206,7 +208,7 @@ class Model(nn.Module):
             logits = self.model.embed_tokens.as_linear(h)
         else:
             logits = self.lm_head(h)
-        return logits
+        return (logits, h) if hidden else logits
 
 
 def _head_rows(layer: nn.Module, h: mx.array, rows: int) -> mx.array:

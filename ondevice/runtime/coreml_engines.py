@@ -314,7 +314,7 @@ def compiled_model(package: Path) -> Path:
     written atomically."""
     from coremltools.models.utils import compile_model
 
-    from ondevice.models.hub import cache_dir
+    from ondevice.sources.hub import cache_dir
 
     package = Path(package).resolve()
     key = hashlib.sha256(f"{package_digest(package)}|{platform.mac_ver()[0]}".encode())
@@ -373,7 +373,7 @@ def fall_back(reason: str, to: str, mlpackage: Path) -> None:
     import json
     import sys
 
-    from ondevice.models.hub import cache_dir
+    from ondevice.sources.hub import cache_dir
 
     print(f"ondevice: Core ML draft unavailable ({reason}); using the {to} draft.", file=sys.stderr)
     try:

@@ -77,8 +77,8 @@ def verdict_path(package: Path) -> Path:
 
     import coremltools
 
-    from ondevice.models.hub import cache_dir
     from ondevice.runtime.coreml_engines import package_digest
+    from ondevice.sources.hub import cache_dir
 
     key = f"{package_digest(package)}|{coremltools.__version__}|{macos_build()}"
     return cache_dir() / "coreml-probe" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"

@@ -9,7 +9,6 @@ cache) that tree decoding needs.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ondevice.models.transformer import Model
+from ondevice.rules.engine import Engine
 from ondevice.runtime import kernel
 from ondevice.runtime.coreml_engines import (  # noqa: F401  (their old home)
     FALLBACK_RECORD,
@@ -25,7 +25,6 @@ from ondevice.runtime.coreml_engines import (  # noqa: F401  (their old home)
     coreml_status,
     fall_back,
 )
-from ondevice.speculative.engine import Engine
 
 __all__ = [
     "DRAFT_BACKENDS",
@@ -33,7 +32,6 @@ __all__ = [
     "Engine",
     "MLXEngine",
     "MLXTreeEngine",
-    "TimedEngine",
     "draft_window",
     "innermost",
     "make_draft_engine",
@@ -111,46 +109,42 @@ class _Wrapper:
         self.engine.trim(n)
 
 
-class TimedEngine(_Wrapper):
-    """Wraps an engine and accumulates the wall time spent in its calls."""
-
-    def __init__(self, engine: Engine):
-        super().__init__(engine)
-        self.seconds = 0.0
-        self.calls = 0
-
-    def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray:
-        t = time.perf_counter()
-        out = self.engine.feed(tokens, last_only)
-        self.seconds += time.perf_counter() - t
-        self.calls += 1
-        return out
-
-
 class MLXTreeEngine(_Wrapper):
     """An `MLXEngine` (same model, same cache) that can also score tokens under any attention
     mask at explicit positions, and keep a subset of the last cache entries."""
 
     engine: MLXEngine
+    returns_hidden = True  # feed_masked(..., hidden=True) also gives the last hidden states
 
     def __init__(self, engine: MLXEngine):
         super().__init__(engine)
         self.model = engine.model
 
     def feed_masked(
-        self, tokens: Sequence[int], positions: Sequence[int], visible: np.ndarray
-    ) -> np.ndarray:
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        visible: np.ndarray,
+        *,
+        hidden: bool = False,
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Append `tokens` at `positions`; token i attends where `visible[i]` is True, over the
         new tokens (L, L; the cached prefix is visible to all) or the whole cache (L, cache+L).
-        Returns float32 logits (L, vocab)."""
+        Returns float32 logits (L, vocab); with `hidden`, also the last hidden states
+        (L, hidden_size) float32."""
         mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
-        logits = self.engine.model(
+        out = self.engine.model(
             mx.array([list(tokens)]),
             self.engine.cache,
             positions=mx.array(np.asarray(positions, np.int32)),
             mask=mask,
-        )[0]
-        return np.array(logits.astype(mx.float32))
+            hidden=hidden,
+        )
+        logits, states = out if hidden else (out, None)
+        logits = np.array(logits[0].astype(mx.float32))
+        if states is None:
+            return logits
+        return logits, np.array(states[0].astype(mx.float32))
 
     def keep(self, n_recent: int, indices: Sequence[int]) -> None:
         self.engine.cache.keep(n_recent, indices)

@@ -5,7 +5,7 @@ verifier (MLX). Which is faster depends on the pair and the machine: a 0.5B draf
 Neural Engine can cost about what a 1.5B verifier pass costs on the GPU, so the Core ML draft pays
 only behind a slower verifier or when it drafts while the verifier checks (pipelining), which a
 draft sharing the GPU cannot do without slowing the verifier down. So instead of choosing Core
-ML from the OS version alone, `choose` takes the measured cost profiles (`treecost`) of the
+ML from the OS version alone, `choose` takes the measured cost profiles (`pass_costs.py`) of the
 verifier and of each available draft backend, and for every backend, K and pipelining predicts
 tokens per second with the cost model (`costmodel.CostModel`, the formulas the pipelined decoder
 uses), and returns the best.
@@ -17,13 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ondevice.rules.engine import Engine
 from ondevice.runtime.costmodel import CostModel
-from ondevice.runtime.treecost import CostProfile, load_profile
-from ondevice.speculative.engine import Engine
+from ondevice.runtime.pass_costs import CostProfile, load_profile
 
 # Draft backends that run on other silicon than an MLX verifier, so drafting ahead while the
 # verifier checks costs the verifier nothing (the Neural Engine beside the GPU).
-CONCURRENT = frozenset({"coreml"})
+BESIDE_VERIFIER = frozenset({"coreml"})
 # Acceptance assumed before any has been measured (Qwen2.5-Coder 1.5B + 0.5B accept 0.76 on
 # Spec-Bench dev and 0.94 on the demo's code prompt, docs/benchmarks.md).
 DEFAULT_ALPHA = 0.75
@@ -59,7 +59,7 @@ def candidates(
     out = []
     for backend, profile in drafts.items():
         model = predicted_model(verify, profile, alpha, k_max)
-        for pipelined in (False, True) if backend in CONCURRENT else (False,):
+        for pipelined in (False, True) if backend in BESIDE_VERIFIER else (False,):
             k = model.best_k(pipelined, k_max)
             out.append(Placement(backend, pipelined, k, model.rate(k, pipelined)))
     return out
@@ -78,7 +78,7 @@ def place_draft(
     verifier: Engine, engines: Mapping[str, Engine], *, alpha: float = DEFAULT_ALPHA
 ) -> tuple[Engine, Placement]:
     """Of the same draft on several backends (backend -> engine), the engine `choose` picks,
-    from profiles measured once per device and model and cached (`treecost.load_profile`)."""
+    from profiles measured once per device and model and cached (`pass_costs.load_profile`)."""
     verify = load_profile(verifier)
     profiles = {name: load_profile(engine) for name, engine in engines.items()}
     assert verify is not None and all(p is not None for p in profiles.values())

@@ -37,8 +37,8 @@ import numpy as np
 
 from ondevice.errors import OndeviceError
 from ondevice.models.cache import KVCache
+from ondevice.rules.engine import Engine
 from ondevice.runtime.engines import DraftWindow, MLXEngine, innermost
-from ondevice.speculative.engine import Engine
 
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB: a few long conversations of a 1.5B pair
 FILE_FORMAT = "ondevice-prompt-cache"

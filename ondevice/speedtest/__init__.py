@@ -40,8 +40,7 @@ def _model_info(gen: Any) -> dict[str, Any]:
     info: dict[str, Any] = {"verifier": v, "draft": None, "draft_to_verifier_memory": None}
     draft = draft_mlx_model(gen)
     if gen.draft is not None:
-        pair = getattr(gen, "_pair", None)
-        path = getattr(getattr(pair, "draft", None), "path", None)
+        path = gen.loaded_draft.path if gen.loaded_draft is not None else None
         name = "draft" if path is None else path.name
         if path is not None and path.name == "mlx" and path.parent.name == "draft":
             name = f"{path.parent.parent.name} draft"  # the MLX twin inside a pair bundle

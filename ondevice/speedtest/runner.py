@@ -10,7 +10,6 @@ from that pass to the last token, which leaves the prompt's prefill out;
 from __future__ import annotations
 
 import gc
-import inspect
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -18,15 +17,21 @@ from typing import Any
 
 import mlx.core as mx
 
+from ondevice.decoders.registry import METHODS
 from ondevice.errors import OndeviceError
 from ondevice.runtime.memory import param_bytes
 from ondevice.speedtest.peers import SPEC, MlxLmPeer, Steps, mlx_lm_rounds, spec_k
 from ondevice.speedtest.prompts import BenchPrompt
 
-# Methods that need a draft model; the others (prompt lookup, lookahead) work without one.
-# "pipeline" is the chain with drafting overlapped with verification (`pipeline=True`), so the
-# two schedules can be compared on the same prompts; "chain" runs what the placement chose.
-DRAFT_METHODS = ("chain", "pipeline", "tree", "cascade")
+# Runs besides the registry's methods: "plain" (plain decoding, the reference every run is
+# compared with) and "pipeline" (the chain with drafting overlapped with verification,
+# `pipeline=True`, so the two schedules can be compared on the same prompts; "chain" runs what
+# the placement chose).
+PLAIN, PIPELINE = "plain", "pipeline"
+# runs that measure nothing without a draft model (prompt lookup, lookahead and auto work alone)
+DRAFT_RUNS = (PIPELINE,) + tuple(
+    m.name for m in METHODS.values() if m.needs_draft or m.plain_without_draft
+)
 WARMUP_TOKENS = 8
 
 
@@ -45,28 +50,21 @@ class BenchOptions:
 def draft_mlx_model(gen: Any) -> Any | None:
     """The draft's MLX model, whichever engine runs it (a Core ML draft keeps its MLX twin)."""
     model = getattr(gen.draft, "model", None)
-    if model is None:
-        pair = getattr(gen, "_pair", None)
-        model = getattr(getattr(pair, "draft", None), "model", None)
+    if model is None and gen.loaded_draft is not None:
+        model = gen.loaded_draft.model
     return model
 
 
 def method_runs(gen: Any, options: BenchOptions) -> list[str]:
     """The ondevice runs per prompt, in order: "plain" first, then the requested methods."""
-    runs = ["plain"] + [m for m in dict.fromkeys(options.methods) if m != "plain"]
+    runs = [PLAIN] + [m for m in dict.fromkeys(options.methods) if m != PLAIN]
     if gen.draft is None:
-        needs = [m for m in runs if m in DRAFT_METHODS]
+        needs = [m for m in runs if m in DRAFT_RUNS]
         if needs:
             raise OndeviceError(
                 f"method {needs[0]!r} needs a draft model: pass --draft D, or --model with a "
                 "pair bundle (which brings its own draft)."
             )
-    others = [m for m in runs if m not in ("plain", "chain", "pipeline")]
-    if others and "method" not in inspect.signature(gen.stream).parameters:
-        raise OndeviceError(
-            f"method {others[0]!r} is not available in this ondevice build (its generate() has "
-            "no `method` parameter yet); run with --methods chain."
-        )
     return runs
 
 
@@ -97,13 +95,13 @@ class Bench:
         kwargs: dict[str, Any] = dict(
             max_tokens=max_tokens, temperature=o.temperature, seed=o.seed, chat_template=False
         )
-        if method == "plain":
+        if method == PLAIN:
             kwargs["speculative"] = False
         else:
             kwargs["num_draft_tokens"] = o.num_draft_tokens
-            if method == "pipeline":
+            if method == PIPELINE:
                 kwargs["pipeline"] = True
-            elif method != "chain":
+            else:
                 kwargs["method"] = method
         for chunk in self.gen.stream(ids, **kwargs):
             if chunk.stats is not None:
@@ -187,18 +185,24 @@ class Bench:
                 rounds=stats.get("rounds", 0),
                 drafted=stats.get("drafted", 0),
                 accepted=stats.get("accepted", 0),
-                num_draft_tokens=self.options.num_draft_tokens if method != "plain" else None,
+                num_draft_tokens=self.options.num_draft_tokens if method != PLAIN else None,
                 time_draft_s=stats.get("time_draft_s"),
                 time_verify_s=stats.get("time_verify_s"),
                 draft_backend=stats.get("draft_backend"),
                 rounds_by_method=stats.get("rounds_by_method"),  # auto's choices, per proposer
             )
+        self._derive(rec)
+        return rec
+
+    def _derive(self, rec: dict[str, Any]) -> None:
+        """The run's memory, acceptance rate and mean accepted length, from its counts."""
+        method = rec["method"]
         d, a, r = rec["drafted"], rec["accepted"], rec["rounds"]
         # What this method alone needs: the weights it uses plus its working memory. The MLX
         # peak itself counts every model loaded in the process (peers' copies included).
         # (prompt lookup and lookahead draft without a model; "auto" may pick either kind)
-        uses_draft = (
-            method in DRAFT_METHODS or method.startswith(SPEC) or (method == "auto" and d > 0)
+        uses_draft = method.startswith(SPEC) or (
+            d > 0 and (method == PIPELINE or (method in METHODS and METHODS[method].uses_draft))
         )
         rec["memory_bytes"] = (
             self.verifier_bytes
@@ -207,7 +211,6 @@ class Bench:
         )
         rec["acceptance_rate"] = a / d if d else None
         rec["mean_accepted_length"] = (a + r) / r if d and r else None
-        return rec
 
     # -- one prompt: every run, interleaved ---------------------------------------------------
 
@@ -259,7 +262,7 @@ def _check_against_plain(records: Sequence[dict], by_method: dict[str, dict], te
     mlx-lm's speculative to mlx-lm's plain, and mlx-lm's plain to ondevice's (same weights)."""
     for rec in records:
         m = rec["method"]
-        ref = None if m == "plain" else "mlx-lm" if m.startswith(SPEC) else "plain"
+        ref = None if m == PLAIN else "mlx-lm" if m.startswith(SPEC) else PLAIN
         if ref is None or temp > 0 or ref not in by_method:
             rec["reference"], rec["matches_reference"], rec["first_mismatch"] = None, None, None
             continue

@@ -1,4 +1,4 @@
-"""Stand-in engines: objects with the engine protocol (`ondevice.speculative.engine.Engine`)
+"""Stand-in engines: objects with the engine protocol (`ondevice.rules.engine.Engine`)
 whose answers a test knows exactly, or gets cheaply.
 
 - `TableEngine` stands in for a language model with a known law: numpy only, the logits after
@@ -15,12 +15,15 @@ chain pass; its visible path in a tree pass), through `row(context)`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from ondevice.models.transformer import Model
+from ondevice.rules.engine import Engine
+from ondevice.runtime.engines import _Wrapper
 
 
 class _ContextEngine:
@@ -166,3 +169,20 @@ class MemoEngine(_TreePasses):
     # test_speculative's `_exact_joint` (left to the rewrite of the acceptance-rule tests)
     # reads `_row`; remove this alias once it reads `row`.
     _row = row
+
+
+class TimedEngine(_Wrapper):
+    """Wraps an engine and accumulates the wall time spent in its calls (for tests that slow
+    an engine down or count its passes)."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(engine)
+        self.seconds = 0.0
+        self.calls = 0
+
+    def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray:
+        t = time.perf_counter()
+        out = self.engine.feed(tokens, last_only)
+        self.seconds += time.perf_counter() - t
+        self.calls += 1
+        return out

@@ -1,7 +1,7 @@
 """Exact enumeration of a randomised function's law: `law(fn)` runs fn(rand) over every outcome
 of its random source and returns {result: probability}, exactly (up to float rounding).
 
-`rand` is a `Randomness` (`ondevice.speculative.accept`) and its `at` at once (`rand(i)` is
+`rand` is a `Randomness` (`ondevice.rules.accept`) and its `at` at once (`rand(i)` is
 `rand`), so it goes wherever the acceptance rule takes its random source: the rule the decoders
 run is the rule enumerated here.
 

@@ -8,8 +8,8 @@ from collections.abc import Hashable, Mapping, Sequence
 import numpy as np
 from scipy.stats import chisquare
 
-from ondevice.speculative.engine import Engine
-from ondevice.speculative.sampling import SamplingParams, Transform
+from ondevice.rules.engine import Engine
+from ondevice.rules.sampling import SamplingParams, Transform
 
 
 def exact_joint(engine: Engine, prompt: Sequence[int], params: SamplingParams) -> np.ndarray:

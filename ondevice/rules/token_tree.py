@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ondevice.speculative.accept import Draw
+from ondevice.rules.accept import Draw
 
 
 @dataclass

@@ -4,12 +4,16 @@ followed them is proposed (several matches form a tree)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.proposers import BudgetFn, fixed_budget
-from ondevice.speculative.tree import TokenTree
+from ondevice.proposers.base import BudgetFn, Verification, cost_budget, fixed_budget
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.token_tree import TokenTree
+
+if TYPE_CHECKING:
+    from ondevice.proposers.resources import Resources, Speculation
 
 
 class NgramIndex:
@@ -116,6 +120,13 @@ class PromptLookup:
         self._depth = tree.max_depth
         return tree
 
-    def observe(self, seq, tree, path, token, target) -> None:
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         if tree.size:
-            self.model.update(self._depth, len(path))
+            self.model.update(self._depth, len(verdict.path))
+
+
+def build(res: Resources, spec: Speculation) -> PromptLookup:
+    """The "pld" method: a fixed num_draft_tokens proposes up to that many tokens per branch;
+    otherwise up to 10, sized by the verifier's pass costs."""
+    k = spec.num_draft_tokens
+    return PromptLookup(max_tokens=k or 10, budget=None if k else cost_budget(res.verify_cost))

@@ -1,15 +1,17 @@
 """`auto`: the proposer that picks, each round, among other proposers by measured acceptance and
-the estimated cost of their rounds (cost profiles, `treecost`)."""
+the estimated cost of their rounds (cost profiles, `runtime/pass_costs.py`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ondevice.runtime.treecost import CostProfile
-from ondevice.speculative.draft_tree import DraftState
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.proposers import Proposer
-from ondevice.speculative.tree import TokenTree
+from ondevice.proposers import cascade, lookahead, lookup
+from ondevice.proposers.base import NoProposal, Proposer, Verification, wants_hidden
+from ondevice.proposers.draft_tree import DraftState, build_greedy_path, build_tree
+from ondevice.proposers.resources import Resources, Speculation
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.token_tree import TokenTree
+from ondevice.runtime.pass_costs import CostProfile
 
 
 class AutoProposer:
@@ -53,6 +55,7 @@ class AutoProposer:
         self.drafts = list(drafts)
         self.explore, self.period, self.decay = explore, period, decay
         self.max_backoff = max_backoff
+        self.wants_hidden = any(wants_hidden(p) for p in self.proposers)
         self._reset_scores()
 
     def _reset_scores(self) -> None:
@@ -101,9 +104,10 @@ class AutoProposer:
         self._work = self._draft_work()
         return self.proposers[i].propose(seq, max_depth, noise)
 
-    def observe(self, seq, tree, path, token, target) -> None:
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         i = self._current
-        self.proposers[i].observe(seq, tree, path, token, target)
+        self.proposers[i].observe(seq, tree, verdict)
+        path = verdict.path
         secs = float(self.verify_cost(len(tree))) + self._draft_work() - self._work
         # an average over rounds, not over tries: what a re-check finds outweighs a score last
         # updated many rounds ago (the text may have changed since)
@@ -118,3 +122,16 @@ class AutoProposer:
         self.tried[i] += 1
         self.round += 1
         self.last_tried[i] = self.round
+
+
+def build(res: Resources, spec: Speculation) -> AutoProposer:
+    """The "auto" method: plain steps, prompt lookup and, with a draft, its greedy path, its tree and
+    the cascade (without one, lookahead); num_draft_tokens fixes each candidate's size."""
+    cands: list[Proposer] = [NoProposal(), lookup.build(res, spec)]
+    if res.draft is not None:
+        cands += [build_greedy_path(res, spec), build_tree(res, spec), cascade.build(res, spec)]
+    else:
+        cands += [lookahead.build(res, spec)]
+    # unprofiled: every pass costs the same
+    vcost = res.verify_cost if res.verify_cost is not None else CostProfile([1], [1.0])
+    return AutoProposer(cands, vcost, [res.draft] if res.draft is not None else [])

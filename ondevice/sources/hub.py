@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ondevice.errors import ModelFormatError, ModelNotFoundError, OndeviceError, did_you_mean
 
 if TYPE_CHECKING:
-    from ondevice.models.catalog import ModelEntry
+    from ondevice.sources.catalog import ModelEntry
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
 
@@ -59,7 +59,7 @@ def resolve(name: str | os.PathLike) -> Path:
 def known_names() -> list[str]:
     """Names a model argument may take besides paths: the catalog's models and pairs, and the
     models pulled into the cache (for "did you mean" hints)."""
-    from ondevice.models.catalog import load_catalog
+    from ondevice.sources.catalog import load_catalog
 
     names: set[str] = set()
     try:
@@ -75,7 +75,7 @@ def known_names() -> list[str]:
 
 def _catalog_entry(name: str) -> ModelEntry | None:
     """The catalog's entry for `name` (a model `ondevice pull` can fetch), if any."""
-    from ondevice.models.catalog import load_catalog
+    from ondevice.sources.catalog import load_catalog
 
     try:
         return load_catalog().model(name)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.speculative.engine import Engine
+from ondevice.rules.engine import Engine
 
 # Small sizes finely (on a CPU the choice between 1, 2 and 3 drafts hinges on them), large ones
 # coarsely (only a GPU, where a pass costs about the same up to dozens of tokens, reaches them).
@@ -136,7 +136,7 @@ def engine_key(engine: Engine) -> str:
 
 
 def profile_path(device: str, key: str) -> Path:
-    from ondevice.models.hub import cache_dir
+    from ondevice.sources.hub import cache_dir
 
     dev = hashlib.sha256(device.encode()).hexdigest()[:12]
     return cache_dir() / "profiles" / f"{key}-{dev}.json"
@@ -151,8 +151,8 @@ def measure(
     budget_s: float = 30.0,
 ) -> CostProfile:
     """Time `engine.feed` of n tokens after a `context`-token prefix (median of `repeats`, or of
-    at least 3 when the repeats would take longer than `budget_s`: a 1.5B model on a 2-core CPU
-    takes 12 s per round of sizes).
+    at least 3 when the repeats would take longer than `budget_s`: a large model on a small CPU
+    takes seconds per round of sizes).
 
     Sizes are interleaved within each repeat, so a change in load during the measurement (other
     processes on the machine) affects every size alike instead of skewing some of them."""

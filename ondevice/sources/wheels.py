@@ -16,8 +16,8 @@ import zlib
 from pathlib import Path
 
 from ondevice.errors import OndeviceError
-from ondevice.models.catalog import ModelEntry, Part, Source, normalize_project
-from ondevice.models.staging import (
+from ondevice.sources.catalog import ModelEntry, Part, Source, normalize_project
+from ondevice.sources.staging import (
     ChecksumError,
     Progress,
     PullError,

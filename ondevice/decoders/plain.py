@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 
+from ondevice.decoders.base import DecoderBase, Round, Step
 from ondevice.runtime.engines import MLXEngine
-from ondevice.speculative.decoding import DecoderBase, Round, Step
 
 
 class PlainGreedyDecoder(DecoderBase):

@@ -29,15 +29,39 @@ per level, any other engine grows them path by path.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.tree import TokenTree
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.token_tree import TokenTree
+from ondevice.runtime.pass_costs import CostProfile, best_rate, best_size
+
+
+@dataclass
+class Verification:
+    """What one verification pass hands back to the proposer that built the tree.
+
+    path: the accepted nodes (ids in the tree, root excluded), in order.
+    token: the verifier's token after the path (the round's last token).
+    target: (len(tree),) the verifier's greedy token after every node (after the sampling
+        transform; lookahead reads its Jacobi guesses' outcomes here).
+    hidden: (len(tree), hidden_size) float32: the verifier's last hidden states (after the final
+        norm) at every node, when the proposer asked for them (`wants_hidden`), else None: what
+        a verifier-side proposer (a Medusa or EAGLE head) drafts the next round from.
+    """
+
+    path: list[int]
+    token: int
+    target: np.ndarray
+    hidden: np.ndarray | None = None
 
 
 class Proposer(Protocol):
+    """Builds each round's token tree. `wants_hidden` (an optional attribute, False when
+    missing): the verifier's hidden states are wanted in each `Verification`."""
+
     name: str
 
     def reset(self, prompt: Sequence[int]) -> None:
@@ -47,21 +71,41 @@ class Proposer(Protocol):
         """A tree rooted at seq[-1], no deeper than `max_depth` (>= 1); sampled draws for
         position m come from `noise.draws(m)`."""
 
-    def observe(
-        self, seq: list[int], tree: TokenTree, path: list[int], token: int, target: np.ndarray
-    ) -> None:
-        """After verification: `path` (nodes) was accepted and `token` follows; `target` is the
-        verifier's argmax after every node. `seq` is the sequence before this round's tokens."""
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
+        """After verification of `tree` (built after `seq`, the sequence before this round's
+        tokens): what the verifier decided (see `Verification`)."""
+
+
+def wants_hidden(proposer: Proposer) -> bool:
+    """Whether `proposer` reads the verifier's hidden states."""
+    return bool(getattr(proposer, "wants_hidden", False))
 
 
 BudgetFn = Callable[[np.ndarray], int]
 # (acceptance estimates of the candidate nodes, seconds of drafting spent) -> the best tokens per
-# second a verifier pass over some of them can give (see `runtime/treecost.best_rate`)
+# second a verifier pass over some of them can give (see `runtime/pass_costs.best_rate`)
 RateFn = Callable[[np.ndarray, float], float]
 
 
 def fixed_budget(n: int) -> BudgetFn:
     return lambda values: n
+
+
+def cost_budget(
+    verify: CostProfile | None, fixed: float = 0.0, per_node: float = 0.0, cap: int = 64
+) -> BudgetFn:
+    """A budget function from the verifier's cost profile (None: a fixed default of 8)."""
+    if verify is None:
+        return lambda values: min(len(values), 8)
+    return lambda values: best_size(np.asarray(values)[:cap], verify, fixed, per_node)
+
+
+def cost_rate(verify: CostProfile | None, fixed: float = 0.0, cap: int = 64) -> RateFn | None:
+    """The best tokens per second over candidate values after `spent` seconds of drafting
+    beyond `fixed` (None without a profile: trees then grow to their full depth)."""
+    if verify is None:
+        return None
+    return lambda values, spent: best_rate(np.asarray(values)[:cap], verify, fixed + spent)[1]
 
 
 class NoProposal:
@@ -76,5 +120,5 @@ class NoProposal:
     def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
         return TokenTree.root(seq[-1])
 
-    def observe(self, seq, tree, path, token, target) -> None:
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         pass

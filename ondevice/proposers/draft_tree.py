@@ -1,24 +1,30 @@
 """Draft-model trees: the draft's cache kept in step with the committed sequence (`DraftState`)
-and the trees it grows (`DraftTreeProposer`: a chain, a static tree, or a dynamic EAGLE-2 tree;
+and the trees it grows (`DraftTreeProposer`: a path, a static tree, or a dynamic EAGLE-2 tree;
 children are the draft's top-k, or i.i.d. samples for sampled static trees, SpecInfer)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ondevice.speculative.engine import Engine
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.proposers import BudgetFn, RateFn, fixed_budget
-from ondevice.speculative.sampling import SamplingParams, Transform, align, probabilities, sample
-from ondevice.speculative.tree import CHAIN_4, TokenTree, check_shape
+from ondevice.proposers.base import (
+    BudgetFn,
+    RateFn,
+    Verification,
+    cost_budget,
+    cost_rate,
+    fixed_budget,
+)
+from ondevice.rules.chooser import TokenChooser, as_chooser
+from ondevice.rules.engine import Engine
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.sampling import SamplingParams, align, sample
+from ondevice.rules.token_tree import CHAIN_4, TokenTree, check_shape
 
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.asarray(logits, np.float64)
-    z = np.exp(z - z.max(-1, keepdims=True))
-    return z / z.sum(-1, keepdims=True)
+if TYPE_CHECKING:
+    from ondevice.proposers.resources import Resources, Speculation
 
 
 # -- the draft model's cache ----------------------------------------------------------------------
@@ -181,7 +187,7 @@ def top_tokens(d: np.ndarray, k: int) -> np.ndarray:
 
 
 class DraftTreeProposer:
-    """A draft model proposes a chain, a static tree, or a dynamic (EAGLE-2) tree.
+    """A draft model proposes a path, a static tree, or a dynamic (EAGLE-2) tree.
 
     mode "dynamic": up to `depth` levels; at each level the `topk` most valuable frontier nodes
         are fed to the draft in one pass and each gets its `topk` best children. A node's value
@@ -195,7 +201,7 @@ class DraftTreeProposer:
         `rate` every level is grown.
     mode "static": the tree `shape` (rank paths, see tree.py) filled with the draft's ranked
         children, or with i.i.d. draft samples when `sampled` (SpecInfer).
-    mode "chain": a static shape of one path of length `budget`.
+    mode "path": a static shape of one path of length `budget`.
 
     Values (and top-k ranks) use the draft's distribution after the sampling transform, or its
     temperature-1 softmax under greedy decoding (a point mass says nothing about confidence).
@@ -205,7 +211,7 @@ class DraftTreeProposer:
         self,
         draft: Engine | DraftState,
         vocab: int,
-        params: SamplingParams,
+        params: SamplingParams | TokenChooser,
         *,
         mode: str = "dynamic",
         depth: int = 5,
@@ -217,20 +223,20 @@ class DraftTreeProposer:
         rate: RateFn | None = None,
         name: str = "tree",
     ):
-        if mode not in ("dynamic", "static", "chain"):
+        if mode not in ("dynamic", "static", "path"):
             raise ValueError(f"unknown tree mode {mode!r}")
         self.name = name
         self.state = draft if isinstance(draft, DraftState) else DraftState(draft, vocab)
         self.vocab = vocab
-        self.params = params
-        self.transform = Transform(params, vocab)
+        self.chooser = as_chooser(params, vocab)
+        self.params = self.chooser.params
         self._seq: list[int] = []
         self.mode = mode
         self.depth = depth
         self.topk = topk
         self.budget = fixed_budget(budget) if isinstance(budget, int) else budget
         self.shape = check_shape(shape)
-        self.sampled = sampled and not params.greedy
+        self.sampled = sampled and not self.params.greedy
         self.expand_cost, self.rate = expand_cost, rate
         # how well the draft's probabilities predict acceptance, per depth (shared: see there)
         self.predicted, self.realised = self.state.calibration(depth + 2)
@@ -240,16 +246,11 @@ class DraftTreeProposer:
 
     def reset(self, prompt: Sequence[int]) -> None:
         self.state.reset(prompt)
-        self.transform.start(prompt)
+        self.chooser.start(prompt)
 
     def _dist(self, logits: np.ndarray, tree: TokenTree, node: int) -> np.ndarray:
         """The draft's distribution after `node` (its context: the sequence and node's path)."""
-        tf = self.transform
-        if tf.active:
-            logits = tf.logits(logits, self._seq, [tree.path_tokens(node)])
-        if self.params.greedy:
-            return softmax(logits)
-        return probabilities(logits, self.params)
+        return self.chooser.ranking(logits, self._seq, tree.path_tokens(node))
 
     def calibration(self, depth: int) -> float:
         d = min(depth, len(self.predicted) - 1)
@@ -263,7 +264,7 @@ class DraftTreeProposer:
             cand, kept, tree = self._dynamic(seq[-1], root_logits, max_depth)
         else:
             shape = self.shape
-            if self.mode == "chain":
+            if self.mode == "path":
                 n = min(self.budget(np.ones(max_depth)), max_depth)
                 shape = [(0,) * d for d in range(1, n + 1)]
             tree = self._static(seq[-1], root_logits, shape, max_depth, noise)
@@ -388,7 +389,8 @@ class DraftTreeProposer:
                 node_of[p] = node
         return tree
 
-    def observe(self, seq, tree, path, token, target) -> None:
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
+        path = verdict.path
         assert self._cand is not None
         self.state.commit(self._cand, [self._kept[n] for n in path])
         if self._depth_pred is not None:
@@ -396,3 +398,36 @@ class DraftTreeProposer:
             tried = self._depth_pred > 0
             self.predicted += self._depth_pred
             self.realised += tried & (depths >= 1) & (depths <= len(path))
+
+
+# -- builders: the tuning of each use, kept with the proposer -------------------------------------
+
+
+def build_tree(res: Resources, spec: Speculation) -> DraftTreeProposer:
+    """The "tree" method: a dynamic tree of the draft's top-4 expansions, num_draft_tokens deep
+    (default 6), sized by the verifier's pass costs; or, with tree_mode "sampled", a static
+    tree of i.i.d. draft samples (a chain of that depth plus four side branches)."""
+    depth, topk = spec.num_draft_tokens or 6, 4
+    if spec.tree_mode == "sampled":
+        shape = [(0,) * d for d in range(1, depth + 1)] + [(1,), (2,), (0, 1), (1, 0)]
+        return DraftTreeProposer(
+            res.draft, res.vocab, res.chooser, mode="static", shape=shape, sampled=True
+        )
+    fixed = res.draft_pass(1)  # the draft catching up: once per round
+    return DraftTreeProposer(
+        res.draft, res.vocab, res.chooser, mode="dynamic", depth=depth, topk=topk,
+        budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass(topk),
+        rate=cost_rate(res.verify_cost, fixed),
+    )  # fmt: skip
+
+
+def build_greedy_path(res: Resources, spec: Speculation) -> DraftTreeProposer:
+    """`auto`'s "greedy-path" candidate: a one-child-per-level tree (the draft's greedy path,
+    default 8 deep), as long as the cost profiles say its confidence pays (a strong draft agrees for many
+    tokens: this is what wins then)."""
+    fixed = res.draft_pass(1)
+    return DraftTreeProposer(
+        res.draft, res.vocab, res.chooser, mode="dynamic", depth=spec.num_draft_tokens or 8,
+        topk=1, budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass(1),
+        rate=cost_rate(res.verify_cost, fixed), name="greedy-path",
+    )  # fmt: skip

@@ -13,43 +13,30 @@ Reproducibility: random numbers are keyed by (seed, position) (`noise.py`), the 
 distribution at a position is bitwise the same whichever decoder built its cache (`catch_up`:
 one call per round where the draft is batch-invariant, else one token at a time after the
 prompt), and the block lengths depend only on tokens. The pipelined
-decoder (`runtime/pipeline.py`) shares `TokenChooser` and `DraftLength` with this one and so
+decoder (`decoders/pipelined.py`) shares `TokenChooser` and `DraftLength` with this one and so
 produces exactly its tokens for the same seed.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from ondevice.speculative import accept
-from ondevice.speculative.decoding import DecoderBase, DecodeStats, Round, Step
-from ondevice.speculative.engine import Engine, batch_invariant, prefill
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.sampling import (
-    SamplingParams,
-    TokenLogprob,
-    Transform,
-    align,
-    chain_paths,
-    probabilities,
-    token_logprobs,
-)
+from ondevice.decoders.base import DecoderBase, DecodeStats, Round, Step
+from ondevice.rules.chooser import CustomRule, TokenChooser
+from ondevice.rules.engine import Engine, batch_invariant, prefill
+from ondevice.rules.sampling import SamplingParams, TokenLogprob
 
 __all__ = [
     "CustomRule",
     "DecodeStats",
     "DraftLength",
     "Round",
-    "SpeculativeDecoder",
+    "ChainDecoder",
     "TokenChooser",
 ]
-
-# A chain acceptance rule: rule(drafts, q, p, at) -> (accepted, token), where at(i) is the random
-# source of the i-th position of the block (as `accept.speculative`, the default).
-CustomRule = Callable[[Sequence[int], "np.ndarray | None", np.ndarray, accept.At], tuple[int, int]]
 
 
 class DraftLength:
@@ -127,96 +114,8 @@ def block_length(
     return k
 
 
-class TokenChooser:
-    """Turns logits into draft tokens and verification results, identically for every decoder."""
-
-    def __init__(
-        self,
-        params: SamplingParams,
-        vocab: int,
-        seed: int | None,
-        rule: str | CustomRule | None = None,
-    ):
-        self.params = params
-        self.vocab = vocab
-        self.transform = Transform(params, vocab)
-        self.noise = PositionNoise(seed)
-        rule = rule or "leviathan"
-        if isinstance(rule, str):
-            if rule not in accept.RULES:
-                raise ValueError(
-                    f"unknown sampling rule {rule!r}; choose one of {', '.join(accept.RULES)}"
-                )
-            self.rule_name, self.rule = rule, accept.RULES[rule]
-        else:  # a custom rule (tests show a wrong one is caught)
-            self.rule_name, self.rule = "custom", rule
-
-    def start(self, prompt: Sequence[int]) -> None:
-        """A new generation (penalties and grammars read the tokens after the prompt)."""
-        self.transform.start(prompt)
-
-    def probs(
-        self, logits: np.ndarray, seq: Sequence[int] = (), paths: Sequence[Sequence[int]] = ((),)
-    ) -> np.ndarray:
-        """Transformed distribution(s) at the position(s) after seq + paths[i]."""
-        logits = align(logits, self.vocab)
-        if not self.transform.active:
-            return probabilities(logits, self.params)
-        return self.transform.probs(logits, seq, paths)
-
-    def draft(
-        self, logits: np.ndarray, pos: int, seq: Sequence[int] = (), path: Sequence[int] = ()
-    ) -> tuple[int, np.ndarray | None]:
-        """The draft's token at position `pos` (after seq + path) and the distribution it came
-        from (sampling)."""
-        if self.params.greedy:
-            if self.transform.active:
-                return int(self.transform.argmax(align(logits, self.vocab), seq, [path])), None
-            return int(np.argmax(logits[: self.vocab])), None
-        q = self.probs(logits, seq, [path])
-        return self.noise.race_sample(q, pos), q
-
-    def confidence(
-        self,
-        logits: np.ndarray,
-        q: np.ndarray | None,
-        seq: Sequence[int] = (),
-        path: Sequence[int] = (),
-    ) -> float:
-        """The largest probability of the draft's distribution (greedy: softmax at T=1)."""
-        if q is not None:
-            return float(q.max())
-        if self.transform.active:
-            z = self.transform.logits(align(logits, self.vocab), seq, [path])
-        else:
-            z = np.asarray(logits[: self.vocab], np.float32)
-        return float(1.0 / np.exp(z - z.max()).sum())
-
-    def decide(
-        self,
-        drafts: Sequence[int],
-        q: np.ndarray | None,
-        logits: np.ndarray,
-        start: int,
-        seq: Sequence[int] = (),
-    ) -> tuple[int, int]:
-        """(accepted count, next token) for `drafts` at positions start.. given the verifier's
-        logits for the last committed token plus the drafts; `seq` is the committed sequence."""
-        paths = chain_paths(drafts) if self.transform.active else [()] * (len(drafts) + 1)
-        if self.params.greedy:
-            return accept.greedy(drafts, self.transform.argmax(logits, seq, paths))
-        p = self.probs(logits, seq, paths)
-        return self.rule(drafts, q, p, self.noise.offsets(start))
-
-    def logprobs(self, logits: np.ndarray, tokens: Sequence[int]) -> list[TokenLogprob] | None:
-        """Log-probabilities of the emitted tokens (row i scores tokens[i]), when asked for."""
-        if self.params.logprobs is None:
-            return None
-        return token_logprobs(logits, tokens, self.params.logprobs)
-
-
-class ChainDecoder(DecoderBase):
-    """What the chain decoders (this one and `runtime/pipeline.py`'s) share: a draft engine, the
+class ChainDecoderBase(DecoderBase):
+    """What the chain decoders (this one and `decoders/pipelined.py`'s) share: a draft engine, the
     `TokenChooser` and the `DraftLength` schedule.
 
     rule: "leviathan" (default: Leviathan/Chen speculative sampling with position-keyed noise),
@@ -262,15 +161,11 @@ class ChainDecoder(DecoderBase):
         return room
 
 
-class SpeculativeDecoder(ChainDecoder):
+class ChainDecoder(ChainDecoderBase):
     """Drives a verifier engine and an optional draft engine over one prompt, one block after
-    another (see the module docstring and `ChainDecoder` for the options)."""
+    another (see the module docstring and `ChainDecoderBase` for the options)."""
 
     _draft_valid = 0  # leading draft cache entries that hold the committed sequence
-
-    @property
-    def vocab(self) -> int:
-        return self.verifier.vocab_size
 
     def prefill_rest(self, prompt: Sequence[int], resume: bool) -> None:
         if self.draft is not None:

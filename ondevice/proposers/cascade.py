@@ -5,17 +5,22 @@ chain is still an exact sample of the draft."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ondevice.speculative import accept
-from ondevice.speculative.draft_tree import DraftState
-from ondevice.speculative.engine import Engine
-from ondevice.speculative.lookup import AcceptanceModel, PromptLookup
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.proposers import BudgetFn, fixed_budget
-from ondevice.speculative.sampling import SamplingParams, Transform
-from ondevice.speculative.tree import TokenTree
+from ondevice.proposers.base import BudgetFn, Verification, cost_budget, fixed_budget
+from ondevice.proposers.draft_tree import DraftState
+from ondevice.proposers.lookup import AcceptanceModel, PromptLookup
+from ondevice.rules import accept
+from ondevice.rules.chooser import as_chooser
+from ondevice.rules.engine import Engine
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.sampling import SamplingParams
+from ondevice.rules.token_tree import TokenTree
+
+if TYPE_CHECKING:
+    from ondevice.proposers.resources import Resources, Speculation
 
 
 class CascadeProposer:
@@ -40,8 +45,8 @@ class CascadeProposer:
     ):
         self.name = name
         self.state = draft if isinstance(draft, DraftState) else DraftState(draft, vocab)
-        self.params = params
-        self.transform = Transform(params, vocab)
+        self.chooser = as_chooser(params, vocab)
+        self.params = self.chooser.params
         self.lookup = lookup or PromptLookup(branches=1)
         self.budget = fixed_budget(budget) if isinstance(budget, int) else budget
         self.model = AcceptanceModel()
@@ -51,7 +56,7 @@ class CascadeProposer:
     def reset(self, prompt: Sequence[int]) -> None:
         self.state.reset(prompt)
         self.lookup.reset(prompt)
-        self.transform.start(prompt)
+        self.chooser.start(prompt)
         self.model = AcceptanceModel()
 
     def _feed(self, tokens: list[int]) -> np.ndarray:
@@ -79,7 +84,7 @@ class CascadeProposer:
         drafts: list[int] = []
         qs: list[np.ndarray] = []
         while len(drafts) < k:
-            q = self.transform.probs(logits, seq, [drafts])
+            q = self.chooser.probs(logits, seq, [drafts])
             found = self.lookup.guesses([*seq, *drafts], k - len(drafts))
             if not found:
                 x, _ = self._step(q, None, self._draws(noise, len(seq) + len(drafts)))
@@ -103,7 +108,7 @@ class CascadeProposer:
                 if len(drafts) >= k:
                     self.state.truncate(base + i + 1)
                     break
-                q, logits = self.transform.probs(rows[i], seq, [drafts]), rows[i]
+                q, logits = self.chooser.probs(rows[i], seq, [drafts]), rows[i]
         tree = TokenTree.root(seq[-1])
         node = 0
         for x, q in zip(drafts, qs):
@@ -111,6 +116,14 @@ class CascadeProposer:
         self._k = len(drafts)
         return tree
 
-    def observe(self, seq, tree, path, token, target) -> None:
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         if self._k:
-            self.model.update(self._k, len(path))
+            self.model.update(self._k, len(verdict.path))
+
+
+def build(res: Resources, spec: Speculation) -> CascadeProposer:
+    """The "cascade" method: num_draft_tokens fixes the draft chain's length; otherwise the
+    verifier's pass costs size it (at most 12)."""
+    k = spec.num_draft_tokens
+    budget = k if k else cost_budget(res.verify_cost, per_node=res.draft_pass(1), cap=12)
+    return CascadeProposer(res.draft, res.vocab, res.chooser, budget=budget)

@@ -1,34 +1,32 @@
 """Tree decoding: one verifier pass scores a whole token tree, the accepted path is kept.
 
-`TreeDecoder` is a `Decoder` (`speculative/decoding.py`) with the invariants of the sequential
-`SpeculativeDecoder`: at the start of a round the verifier's cache holds seq[:-1]; the round feeds
+`TreeDecoder` is a `Decoder` (`decoders/base.py`) with the invariants of the sequential
+`ChainDecoder`: at the start of a round the verifier's cache holds seq[:-1]; the round feeds
 seq[-1] (the root) with every proposed node, at positions root + depth under a tree mask, and
 afterwards keeps only the root and the accepted path (`KVCache.keep`), so the cache again holds
 the committed sequence minus its last token. The acceptance rule is `accept.multi_draft` (greedy:
-`accept.greedy_tree`), with the position-keyed noise of `noise.py`. `runtime/decoders.py` builds
+`accept.greedy_tree`), with the position-keyed noise of `noise.py`. `decoders/registry.py` builds
 it for each method.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import numpy as np
-
+from ondevice.decoders.base import DecoderBase, Step
 from ondevice.errors import OndeviceError
+from ondevice.proposers.base import Proposer, Verification, wants_hidden
+from ondevice.proposers.draft_tree import DraftState
+from ondevice.rules import accept
+from ondevice.rules.chooser import TokenChooser, TreeRule
+from ondevice.rules.engine import Engine
+from ondevice.rules.sampling import SamplingParams, TokenLogprob, token_logprobs
+from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.engines import tree_engine
-from ondevice.speculative import accept
-from ondevice.speculative.decoding import DecoderBase, Step
-from ondevice.speculative.draft_tree import DraftState
-from ondevice.speculative.engine import Engine
-from ondevice.speculative.noise import PositionNoise
-from ondevice.speculative.proposers import Proposer
-from ondevice.speculative.sampling import SamplingParams, TokenLogprob, Transform, token_logprobs
-from ondevice.speculative.tree import TokenTree
 
 # rule(tree, p, at) -> (accepted nodes, next token); `accept.multi_draft` unless a test swaps it
-Rule = Callable[..., tuple[list[int], int]]
+Rule = TreeRule
 
 
 class TreeDecoder(DecoderBase):
@@ -44,7 +42,14 @@ class TreeDecoder(DecoderBase):
         seed: int | None = None,
         rule: Rule | None = None,
         draft_state: DraftState | None = None,
+        chooser: TokenChooser | None = None,
     ) -> None:
+        """verifier: a tree-capable engine (`runtime.engines.tree_engine` wraps MLX ones).
+        proposer: where each round's tree comes from. params: the sampling parameters.
+        seed: the position-keyed noise's seed. rule: the tree acceptance rule (tests swap it).
+        draft_state: the proposers' draft, if they have one (its cache follows the prompt
+        cache). chooser: the generation's token chooser, shared with the proposer (default:
+        a new one from params and seed)."""
         verifier = tree_engine(verifier)
         if not hasattr(verifier, "feed_masked"):
             raise OndeviceError(
@@ -52,10 +57,15 @@ class TreeDecoder(DecoderBase):
             )
         super().__init__(verifier, eos_token_ids)
         self.proposer = proposer
+        self.hidden = wants_hidden(proposer)
+        if self.hidden and not getattr(verifier, "returns_hidden", False):
+            raise OndeviceError(
+                f"the {proposer.name!r} proposer reads the verifier's hidden states, which the "
+                f"{verifier.name!r} verifier engine does not return; use an MLX verifier."
+            )
         self.draft_state = draft_state  # the proposers' draft, if they have one
         self.params = params
-        self.transform = Transform(params, verifier.vocab_size)
-        self.noise = PositionNoise(seed)
+        self.chooser = chooser or TokenChooser(params, verifier.vocab_size, seed)
         # the sampling rule; replaceable so tests can show that a wrong rule is caught
         self.rule = rule or accept.multi_draft
         self._per_method = self.stats.extra.setdefault("rounds_by_method", {})
@@ -68,34 +78,23 @@ class TreeDecoder(DecoderBase):
         if resume and self.draft_state is not None:
             engine = self.draft_state.engine
             self.draft_state.resume(prompt[: min(engine.length, len(prompt) - 1)])
+        self.chooser.start(prompt)
         self.proposer.reset(prompt)
-        self.transform.start(prompt)
 
-    def verify(self, seq: list[int], tree: TokenTree) -> tuple[list[int], int, np.ndarray]:
-        """Score the tree in one pass; return (accepted nodes, next token, argmax per node)."""
-        logits = self.verifier.feed_masked(
-            tree.tokens, tree.positions(len(seq) - 1), tree.ancestors()
-        )
-        tf = self.transform
-        # node i's context: the committed sequence and the tokens on the path to i
-        paths = [tree.path_tokens(n) for n in range(len(tree))] if tf.active else None
-        target = tf.argmax(logits, seq, paths) if tf.active else np.argmax(logits, -1)
-        if self.params.greedy:
-            path, tok = accept.greedy_tree(tree, target)
+    def verify(self, seq: list[int], tree: TokenTree) -> Verification:
+        """Score the tree in one pass and decide the round. seq: the committed sequence (the
+        tree's root is seq[-1]). The verifier's hidden states ride along when the proposer
+        reads them."""
+        args = (tree.tokens, tree.positions(len(seq) - 1), tree.ancestors())
+        hidden = None
+        if self.hidden:
+            logits, hidden = self.verifier.feed_masked(*args, hidden=True)  # type: ignore[attr-defined]
         else:
-            rows: dict[int, np.ndarray] = {}
-
-            def p(node: int) -> np.ndarray:  # only the visited nodes' distributions
-                if node not in rows:
-                    ctx = [paths[node]] if paths is not None else [()]
-                    rows[node] = tf.probs(logits[node], seq, ctx)
-                return rows[node]
-
-            # the node at depth d decides position len(seq) + d
-            path, tok = self.rule(tree, p, self.noise.offsets(len(seq)))
-        self.verifier.keep(len(tree), [0, *path])
+            logits = self.verifier.feed_masked(*args)  # type: ignore[attr-defined]
+        path, tok, target = self.chooser.decide_tree(tree, logits, seq, self.rule)
+        self.verifier.keep(len(tree), [0, *path])  # type: ignore[attr-defined]
         self._logits, self._nodes = logits, [0, *path]
-        return path, tok, target
+        return Verification(path, tok, target, hidden)
 
     def draft_prefix_length(self) -> int:
         """How many leading entries of the draft's cache hold the sequence committed so far."""
@@ -106,14 +105,15 @@ class TreeDecoder(DecoderBase):
         t = time.perf_counter()
         proposed = not self.no_room(room)
         if proposed:
-            tree = self.proposer.propose(seq, room - 1, self.noise)
+            tree = self.proposer.propose(seq, room - 1, self.chooser.noise)
         else:
             tree = TokenTree.root(seq[-1])
         t2 = time.perf_counter()
-        path, tok, target = self.verify(seq, tree)
+        verdict = self.verify(seq, tree)
+        path, tok = verdict.path, verdict.token
         t3 = time.perf_counter()
         if proposed:
-            self.proposer.observe(seq, tree, path, tok, target)
+            self.proposer.observe(seq, tree, verdict)
         self.time_draft += (t2 - t) + (time.perf_counter() - t3)
         self.time_verify += t3 - t2
         name = getattr(self.proposer, "last_name", self.proposer.name)

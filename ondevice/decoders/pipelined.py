@@ -46,13 +46,13 @@ from typing import Any
 
 import numpy as np
 
+from ondevice.decoders.base import Round, Step
+from ondevice.decoders.chain import ChainDecoderBase, block_length, catch_up
+from ondevice.rules.engine import Engine, batch_invariant, prefill
+from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime import threads
 from ondevice.runtime.costmodel import CostModel
 from ondevice.runtime.engines import innermost
-from ondevice.speculative.decoder import ChainDecoder, block_length, catch_up
-from ondevice.speculative.decoding import Round, Step
-from ondevice.speculative.engine import Engine, batch_invariant, prefill
-from ondevice.speculative.sampling import SamplingParams
 
 # -- running the verifier in the background ---------------------------------------------------
 
@@ -218,9 +218,9 @@ def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) 
 # -- the decoder ------------------------------------------------------------------------------
 
 
-class PipelinedDecoder(ChainDecoder):
-    """A `Decoder` with the tokens of `SpeculativeDecoder` (same seed, same tokens); the options
-    are `ChainDecoder`'s."""
+class PipelinedDecoder(ChainDecoderBase):
+    """A `Decoder` with the tokens of `ChainDecoder` (same seed, same tokens); the options
+    are `ChainDecoderBase`'s."""
 
     draft: Engine
 
@@ -309,7 +309,7 @@ class PipelinedDecoder(ChainDecoder):
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self, prompt: Sequence[int], max_tokens: int, resume: bool = False) -> Iterator[Round]:
-        """As `SpeculativeDecoder.run` (resume: the caches already hold a prefix of `prompt`)."""
+        """As `ChainDecoder.run` (resume: the caches already hold a prefix of `prompt`)."""
         draft = innermost(self.draft)  # a draft window over MLX drafts on MLX
         self._stream = _mlx_draft_stream if _is_mlx(draft) else _NoStream
         seq = list(prompt)
@@ -385,8 +385,8 @@ class PipelinedDecoder(ChainDecoder):
         K = len(block)
         # The pass's whole cost counts as the verifier's (its time starts before the graph is
         # built); with MLX on the CPU, `async_eval` itself runs most of the pass before
-        # returning (measured: ~60 of ~75 ms), so counting submit as host work too charged the
-        # pass twice.
+        # returning (docs/benchmarks.md, "Why `overlap` is only ~0.1 on Linux"), so counting
+        # submit as host work too charged the pass twice.
         pending = self.in_flight = self._submitter.submit([seq[-1], *block])
         k_next = self._next_target_k(max(0, kmax - K - 1))
         limit_chain = min(room, self.draft.context_length - 1 - len(seq))

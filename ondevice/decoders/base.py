@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ondevice.errors import ContextLengthError
-from ondevice.speculative.engine import Engine, prefill
-from ondevice.speculative.sampling import TokenLogprob
+from ondevice.rules.engine import Engine, prefill
+from ondevice.rules.sampling import TokenLogprob
 
 
 @dataclass

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ondevice.errors import ModelFormatError, OndeviceError
-from ondevice.models.catalog import ModelEntry
-from ondevice.models.sizes import human_size
+from ondevice.sources.catalog import ModelEntry
+from ondevice.sources.sizes import human_size
 
 CHUNK = 1 << 20
 GGUF_MAGIC = b"GGUF"

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ondevice.speculative.accept import Randomness
+from ondevice.rules.accept import Randomness
 
 # purposes: each gets independent noise at every position
 _RACE, _ACCEPT, _RESIDUAL, _RULE, _DRAWS = 0, 1, 2, 3, 4

@@ -18,15 +18,16 @@ the generated tokens only.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import Any, Protocol
 
 import numpy as np
 
 
 class GrammarState(Protocol):
-    """A grammar bound to one generation (see `speculative/grammar.py`)."""
+    """A grammar bound to one generation (see `rules/grammar.py`)."""
 
     def allowed(self, generated: Sequence[int]) -> np.ndarray | None:
         """Boolean mask (vocab,) of the tokens allowed after `generated` (the tokens after the
@@ -39,7 +40,13 @@ class Grammar(Protocol):
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """The sampling fields of one generation: the one list every front end derives from or is
+    checked against (`SAMPLING_FIELDS`: the API's keyword arguments, the server's request
+    fields, the CLI's flags, the chat's settings; tests/test_options.py checks them). All but
+    `temperature` are keyword-only, so adding a field shifts nothing."""
+
     temperature: float = 0.0
+    _: KW_ONLY
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
@@ -86,6 +93,30 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
 
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> SamplingParams:
+        """Sampling parameters from user options (field name -> value, any subset), their types
+        checked first: a string where a number belongs ("0.7") or a flag where a number
+        belongs is refused with a ValueError naming the field, not coerced."""
+        unknown = sorted(set(options) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown sampling option {unknown[0]!r}")
+        for f in fields(cls):
+            check = _NUMBER_CHECKS.get(f.name) or _INT_OR_NONE.get(f.name)
+            if f.name in options and check is not None:
+                check(f.name, options[f.name])
+        bias = options.get("logit_bias") or {}
+        check_kind("logit_bias", bias, dict, "a dict of token id -> bias")
+        for token, value in bias.items():
+            check_int("logit_bias token id", token, 0)
+            check_kind(f"logit_bias[{token}]", value, numbers.Real, "a number")
+        values = dict(options)
+        for name, kind in (("top_k", int), *((n, float) for n in _NUMBER_CHECKS if n != "top_k")):
+            if values.get(name) is not None:
+                values[name] = kind(values[name])
+        values["logit_bias"] = bias
+        return cls(**values)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -101,9 +132,41 @@ class SamplingParams:
         )
 
     @property
-    def plain(self) -> bool:
-        """Only temperature / top-k / top-p / min-p: no logits to process before them."""
-        return not self.contextual and not self.logit_bias
+    def processed(self) -> bool:
+        """Whether logits are processed (bias, penalties, a grammar's mask) before temperature /
+        top-k / top-p / min-p."""
+        return self.contextual or bool(self.logit_bias)
+
+
+# the fields of SamplingParams, in order (`_` is dataclasses' keyword-only marker, no field)
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+def check_kind(name: str, value: Any, types: type | tuple[type, ...], what: str) -> None:
+    """ValueError unless `value` is one of `types` (a bool only where bool is named)."""
+    types = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise ValueError(f"{name} must be {what}, got {value!r}.")
+
+
+def check_int(name: str, value: Any, low: int, none_ok: bool = False) -> None:
+    """ValueError unless `value` is an int >= `low` (or None, if allowed)."""
+    if value is None and none_ok:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+
+
+def _number(name: str, value: Any) -> None:
+    check_kind(name, value, numbers.Real, "a number")  # numpy's scalars too; not str, not bool
+
+
+_NUMBER_CHECKS = {
+    **dict.fromkeys(("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"), _number),
+    "top_k": lambda name, value: check_int(name, value, 0),
+}  # fmt: skip
+_INT_OR_NONE = {"logprobs": lambda name, value: check_int(name, value, 0, none_ok=True)}
 
 
 def align(logits: np.ndarray, vocab: int) -> np.ndarray:
@@ -116,6 +179,22 @@ def align(logits: np.ndarray, vocab: int) -> np.ndarray:
         return logits[..., :vocab]
     pad = np.full((*logits.shape[:-1], vocab - v), -np.inf, logits.dtype)
     return np.concatenate([logits, pad], -1)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """The temperature-1 distribution (float64) of logits (..., V)."""
+    z = np.asarray(logits, np.float64)
+    z = np.exp(z - z.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+
+
+def check_vocab(params: SamplingParams, vocab: int) -> None:
+    """ValueError when a token id of `params.logit_bias` is outside a vocabulary of `vocab`."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab]
+    if bad:
+        raise ValueError(
+            f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+        )
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -171,12 +250,8 @@ class Transform:
         self._prompt_len = 0
         self._grammar: GrammarState | None = None
         self._bias: np.ndarray | None = None
+        check_vocab(params, vocab)
         if params.logit_bias:
-            bad = [t for t, _ in params.logit_bias if t >= vocab]
-            if bad:
-                raise ValueError(
-                    f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
-                )
             self._bias = np.zeros(vocab)
             for t, b in params.logit_bias:
                 self._bias[t] = b
@@ -184,7 +259,7 @@ class Transform:
     @property
     def active(self) -> bool:
         """Whether logits are processed before temperature (otherwise `logits` is identity)."""
-        return not self.params.plain
+        return self.params.processed
 
     def start(self, prompt: Sequence[int]) -> None:
         """A new generation after `prompt`."""
