@@ -115,7 +115,7 @@ def _embedding(g: _Graph, input_ids):
     for key in pieces:
         n = g.w[key].shape[0]
         local = ids
-        if len(pieces) > 1:  # clamp into [0, n): the other pieces' ids read any row
+        if len(pieces) > 1:  # clamp into [0, n): other pieces' ids read a row the selects drop
             local = mb.minimum(
                 x=mb.maximum(x=mb.sub(x=ids, y=_i32(start)), y=_i32(0)), y=_i32(n - 1)
             )
