@@ -313,6 +313,49 @@ def test_one_copy_of_the_weights_for_both_functions(uncompressed):
     assert desc["size_bytes"] < 2.6 * n_params  # float16 is 2 bytes a weight; two copies: 4
 
 
+def _weight_file_bytes(pkg: Path) -> int:
+    return sum(f.stat().st_size for f in pkg.rglob("weight.bin"))
+
+
+@pytest.mark.parametrize(
+    "compress,bytes_per_weight",
+    [("none", 2), ("int8", 1), pytest.param("palettize4", 0.5, marks=pytest.mark.slow)],
+)
+def test_a_tied_embedding_is_stored_once(tmp, compress, bytes_per_weight):
+    """A tied model's package holds its embedding once (the LM head's pieces, which the lookup
+    reads too), in both functions and compressed or not: the same weights converted as an
+    untied model (a head that is a copy of the embedding) need one more V x D matrix. Both
+    packages give the same logits, the MLX model's, for ids on every side of the pieces' edges
+    (palettized, the untied embedding has lookup tables of its own, so only close ones)."""
+    from tiny import make_config, random_weights
+
+    from ondevice.models.config import ModelConfig
+    from ondevice.models.weights import build_model
+
+    V, D = 20000, 64  # two head pieces of 10000 rows
+    raw = make_config(vocab_size=V, hidden_size=D, tie=True)
+    weights = random_weights(raw, seed=5)
+    untied_weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"].copy()}
+    tokens = [0, 9999, 10000, 19999, 5, 10001, 9998, 12345, 17, 19998]
+    outputs, sizes = {}, {}
+    for tie, w in ((True, weights), (False, untied_weights)):
+        cfg = ModelConfig.from_dict({**raw, "tie_word_embeddings": tie})
+        pkg = tmp / f"tied_{tie}_{compress}.mlpackage"
+        desc = convert_draft(cfg, w, pkg, context=64, chunk=4, compress=compress)
+        assert desc["vocab_splits"] == [10000, 10000]
+        assert [f for f in lint.check_mlpackage(pkg) if f.severity == "error"] == []
+        sizes[tie] = _weight_file_bytes(pkg)
+        outputs[tie] = ReferenceDraftEngine(pkg).feed(tokens)
+    assert sizes[False] - sizes[True] >= V * D * bytes_per_weight
+    if compress != "palettize4":  # int8 scales are per row in the embedding and the head alike
+        np.testing.assert_array_equal(outputs[True], outputs[False])
+    model = build_model(ModelConfig.from_dict(raw), {k: mx.array(v) for k, v in weights.items()})
+    ref = np.array(model(mx.array([tokens]))[0].astype(mx.float32))
+    if compress == "none":
+        assert_close(outputs[True], ref)
+    assert np.mean(outputs[True].argmax(-1) == ref.argmax(-1)) >= 0.7  # palettize4: 4 bits
+
+
 def test_large_vocabulary_is_split_and_lints_clean(tmp):
     """A vocabulary above 16384: LM head in pieces, compressed embedding only a lint warning."""
     from tiny import make_config, random_weights
@@ -320,7 +363,7 @@ def test_large_vocabulary_is_split_and_lints_clean(tmp):
     from ondevice.models.config import ModelConfig
     from ondevice.models.weights import build_model
 
-    raw = make_config(vocab_size=20000, tie=True)
+    raw = make_config(vocab_size=20000, tie=False)  # untied: its own (20000, 64) table
     cfg = ModelConfig.from_dict(raw)
     weights = random_weights(raw, seed=2)
     pkg = tmp / "bigvocab.mlpackage"

@@ -25,8 +25,9 @@ MAX_PALETTES = 16  # lookup tables per matrix: k-means time grows with their num
 
 
 def _compressible(w: dict[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
-    """Const name -> shape of the matrices we compress: embedding, projections, LM head."""
-    keys = ["embed"] + [
+    """Const name -> shape of the matrices we compress: embedding, projections, LM head (which
+    holds a tied embedding, so its compressed form is the embedding's too)."""
+    keys = [k for k in ("embed", "embed_tail") if k in w] + [
         k
         for k in w
         if k.startswith("lm_head_")

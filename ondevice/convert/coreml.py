@@ -27,7 +27,11 @@ Neural Engine rules followed, and where they come from:
   most 16384 outputs, each returned as its own output, as ANEMLL's `lm_head8_*` / `lm_head16_*`
   do (concatenating them in the model would recreate the oversized tensor). The embedding table
   is larger than that too; its `gather` runs on the CPU, as the ml-ane-transformers README notes
-  for embedding lookups.
+  for embedding lookups. A tied embedding (Qwen2.5's, SmolLM2's) is stored once, as the LM
+  head's pieces: the lookup gathers from each piece and selects each position's row (the head's
+  convs are unchanged), where a separate table would cost vocab x hidden x 2 bytes more, since
+  `const_deduplication` merges only constants of one shape. No op transforms the shared
+  constant (no slice, reshape or transpose that a compiler could fold into a second copy).
 * RMSNorm without `pow`: ANEMLL's trick of normalising `concat([x, -x])` with `layer_norm` (the
   mean of that is exactly 0, so layer norm divides by the root mean square) and keeping the first
   half. `layer_norm` is a native ANE op. It squares its input inside, in float16 on the Neural

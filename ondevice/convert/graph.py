@@ -63,6 +63,7 @@ class _Graph:
     L: int
     kv: str
     compressed: dict[str, tuple[str, dict[str, Any]]]
+    weights: dict[str, Any] = field(default_factory=dict)  # weight key -> its (one) var
 
 
 @dataclass
@@ -81,11 +82,51 @@ class _Cache:
 
 
 def _weight(g: _Graph, key: str):
-    name = cname(key)
-    if name in g.compressed:
-        op_type, inputs = g.compressed[name]
-        return getattr(g.mb, op_type)(**inputs, name=name)
-    return g.mb.const(val=g.w[key], name=name)
+    """The weight's var, made once per function: every op reading it (a tied embedding's
+    lookup and the LM head) reads the same constant, so the package stores it once."""
+    if key not in g.weights:
+        name = cname(key)
+        if name in g.compressed:
+            op_type, inputs = g.compressed[name]
+            g.weights[key] = getattr(g.mb, op_type)(**inputs, name=name)
+        else:
+            g.weights[key] = g.mb.const(val=g.w[key], name=name)
+    return g.weights[key]
+
+
+def _embedding(g: _Graph, input_ids):
+    """The rows of `input_ids` in the embedding, as (1, D, 1, L).
+
+    An untied model gathers from its `embed` table (V, D). A tied one has no table of its own:
+    it gathers from the LM head's pieces `lm_head_j` ((n_j, D, 1, 1) conv kernels, rows
+    [s_j, s_j + n_j) of the embedding) and `embed_tail`, each with the ids clamped into the
+    piece, and keeps each position's row from the last piece starting at or below its id. Gathers
+    and selects copy values, so the rows are exactly the table's.
+    """
+    mb, d, L = g.mb, g.dims, g.L
+    if "embed" in g.w:
+        rows = mb.gather(x=_weight(g, "embed"), indices=input_ids, axis=0)  # (1, L, D)
+        return mb.expand_dims(x=mb.transpose(x=rows, perm=_i32([0, 2, 1])), axes=[2])
+    pieces = [f"lm_head_{j}" for j in range(len(d.vocab_splits))]
+    pieces += ["embed_tail"] if "embed_tail" in g.w else []
+    ids = mb.reshape(x=input_ids, shape=_i32([L]))
+    ids_rows = mb.reshape(x=input_ids, shape=_i32([L, 1, 1, 1]))  # broadcasts over a row
+    rows, start = None, 0
+    for key in pieces:
+        n = g.w[key].shape[0]
+        local = ids
+        if len(pieces) > 1:  # clamp into [0, n): other pieces' ids read a row the selects drop
+            local = mb.minimum(
+                x=mb.maximum(x=mb.sub(x=ids, y=_i32(start)), y=_i32(0)), y=_i32(n - 1)
+            )
+        piece_rows = mb.gather(x=_weight(g, key), indices=local, axis=0)  # (L, D, 1, 1)
+        if rows is None:
+            rows = piece_rows
+        else:
+            here = mb.greater_equal(x=ids_rows, y=_i32(start))
+            rows = mb.select(cond=here, a=piece_rows, b=rows)
+        start += n
+    return mb.transpose(x=rows, perm=_i32([2, 1, 3, 0]))  # (1, D, 1, L)
 
 
 def _conv(g: _Graph, x, weight_key: str, bias_key: str | None = None):
@@ -221,8 +262,7 @@ def _body(g: _Graph, tables: tuple[np.ndarray, np.ndarray], inputs: tuple) -> tu
         k_chain, v_chain = key_cache, value_cache
     cache = _Cache(key_cache, value_cache, k_chain, v_chain, cache_begin)
 
-    emb = mb.gather(x=_weight(g, "embed"), indices=input_ids, axis=0)
-    x = mb.expand_dims(x=mb.transpose(x=emb, perm=_i32([0, 2, 1])), axes=[2])  # (1, D, 1, L)
+    x = _embedding(g, input_ids)  # (1, D, 1, L)
     for i in range(d.layers):
         x = _attention(g, i, x, cos, sin, mask, cache)
         x = _mlp(g, i, x)

@@ -4,7 +4,9 @@ they are checked against before any work (the reasons are in `ondevice.convert.c
 `Dims` are the graph's dimensions (state length and head dimension padded to `STATE_ALIGN`, the
 LM head split into `vocab_splits` of at most `MAX_DIM` rows); `prepare_weights` turns Hugging
 Face-named float32 weights into float16 conv kernels, with interleaved-RoPE rows permuted to the
-half-split layout and the attention scale folded into the queries.
+half-split layout and the attention scale folded into the queries. A tied embedding is stored
+once: as the LM head's pieces `lm_head_j` (plus `embed_tail`, the rows a truncated head lacks),
+which the graph's embedding lookup reads too; only an untied model has an `embed` table.
 """
 
 from __future__ import annotations
@@ -156,9 +158,7 @@ def prepare_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> dict
         return w.reshape(*w.shape, 1, 1).astype(np.float16)
 
     out: dict[str, np.ndarray] = {}
-    out["embed"] = _get(weights, "model.embed_tokens.weight", (config.vocab_size, d)).astype(
-        np.float16
-    )
+    embed = _get(weights, "model.embed_tokens.weight", (config.vocab_size, d)).astype(np.float16)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         q = heads_rows(_get(weights, p + "self_attn.q_proj.weight", (nh * hd, d)), nh)
@@ -194,11 +194,14 @@ def prepare_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> dict
         )
     out["norm"] = _get(weights, "model.norm.weight", (d,)).astype(np.float16)
     if config.tie_word_embeddings:
-        head = out["embed"]
+        head = embed
     else:
+        out["embed"] = embed
         head = _get(weights, "lm_head.weight", (config.vocab_size, d)).astype(np.float16)
     start = 0
     for j, n in enumerate(_vocab_splits(_output_rows(config))):
         out[f"lm_head_{j}"] = head[start : start + n].reshape(n, d, 1, 1)
         start += n
+    if config.tie_word_embeddings and start < config.vocab_size:
+        out["embed_tail"] = embed[start:].reshape(-1, d, 1, 1)  # rows a truncated head lacks
     return out

@@ -19,9 +19,11 @@ The rules, each with where it comes from:
 * error: a function taking more than 32 tokens per call: longer chunks are outside what is
   reported to work for stateful LLM functions (github.com/Anemll/Anemll/issues/27);
 * error: an op neither in ANE_OPS (ops that ml-ane-transformers and ANEMLL models run on the ANE,
-  per their Xcode performance reports) nor on CPU_ALLOWLIST: the embedding `gather` (the
-  ml-ane-transformers README reports embedding lookups on the CPU) and integer arithmetic on a
-  handful of position indices (reported once per function as a warning; it costs microseconds).
+  per their Xcode performance reports) nor on CPU_ALLOWLIST: the embedding lookup (the
+  ml-ane-transformers README reports embedding lookups on the CPU): `gather` from a constant
+  table, and `select` between rows gathered from the pieces of a tied embedding stored as the LM
+  head's pieces; and integer arithmetic on a handful of position indices and token ids (reported
+  once per function as a warning; it costs microseconds).
 
 `list_ops(path)` counts op types per function; `compute_plan(path)` (macOS only) asks Core ML's
 `MLComputePlan` where each function's ops will actually run, one plan per function.
@@ -78,10 +80,13 @@ ANE_OPS = frozenset(
         "coreml_update_state",
     }
 )
-# The explicit CPU allowlist: `gather` only on an embedding table, and these ops only on small
-# integer tensors (position arithmetic; `cast`/`greater_equal`/`select` are coremltools' int16
-# gather-index guard).
-CPU_INDEX_OPS = frozenset({"add", "sub", "concat", "cast", "greater_equal", "select"})
+# The explicit CPU allowlist: the embedding lookup (`_embedding_rows`), and these ops only on
+# small integer tensors (position arithmetic; `cast`/`greater_equal`/`select` are coremltools'
+# int16 gather-index guard; `reshape`/`maximum`/`minimum` clamp token ids into the pieces of a
+# tied embedding).
+CPU_INDEX_OPS = frozenset(
+    {"add", "sub", "concat", "cast", "greater_equal", "select", "reshape", "maximum", "minimum"}
+)
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,20 @@ def _embedding_table(var) -> bool:
     )
 
 
+def _embedding_rows(op) -> bool:
+    """True for the embedding lookup: a `gather` from a constant table (its parts decompressed
+    by `constexpr_*` ops or not, read by other ops too or not: a tied embedding's table is the
+    LM head's pieces), or a `select` between such rows."""
+    if op.op_type == "gather":
+        table = op.inputs["x"].op
+        return table is not None and _is_const_op(table)
+    if op.op_type == "select":
+        return all(
+            v.op is not None and _embedding_rows(v.op) for v in (op.inputs["a"], op.inputs["b"])
+        )
+    return False
+
+
 def check_mlpackage(path: str | Path) -> list[Finding]:
     """Constructs that keep ops of the package off the Neural Engine (rules: module docstring)."""
     from coremltools.converters.mil.mil import types
@@ -149,7 +168,7 @@ def check_mlpackage(path: str | Path) -> list[Finding]:
                 continue
             if small_int and op.op_type in CPU_INDEX_OPS:
                 index_ops[op.op_type] += 1
-            elif op.op_type == "gather" and _embedding_table(op.inputs["x"]):
+            elif _embedding_rows(op):
                 continue  # the embedding lookup, reported with its table
             else:
                 other_ops[op.op_type] += 1
