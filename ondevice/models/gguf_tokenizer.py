@@ -254,7 +254,10 @@ def _json_tokenizer(normalizer: Any, pre: Any, post: Any, decoder: Any) -> HFTok
 
 
 def tokenizer_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer:
-    """The tokenizer a GGUF file's metadata describes (see the module docstring)."""
+    """The tokenizer a GGUF file's metadata describes (see the module docstring).
+
+    meta: the file's metadata (`read_header(path).metadata`); source: the file's name, for
+    errors."""
     kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
     if not tokens:
@@ -277,50 +280,12 @@ def tokenizer_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer:
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     post_bos, post_eos = (bos if add_bos else None), (eos if add_eos else None)
-    vocab = {t: i for i, t in enumerate(tokens)}
     origin: dict[str, Any] = {"version": VERSION, "model": kind}
     if kind == "gpt2":
-        name, split = split_for(meta.get("tokenizer.ggml.pre"), source)
-        origin["pre"] = name
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-        tok = _json_tokenizer(
-            split.normalizer,
-            split.pre_tokenizer,
-            _post_processor(tokens, post_bos, post_eos, byte_level=True),
-            _BYTE_DECODER,
-        )
-        tok.model = models.BPE(vocab, merges, ignore_merges=False)
+        tok = _byte_level_bpe(meta, tokens, source, origin, post_bos, post_eos)
     elif kind == "llama":
-        scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
         unk = token_id("tokenizer.ggml.unknown_token_id")
-        space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-        origin["add_space_prefix"] = space_prefix
-        replace = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
-        normalizer = (
-            {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"}, replace]}
-            if space_prefix
-            else replace
-        )
-        decoder = [
-            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-            {"type": "ByteFallback"},
-            {"type": "Fuse"},
-        ]
-        if space_prefix:
-            decoder.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
-        tok = _json_tokenizer(
-            normalizer,
-            None,
-            _post_processor(tokens, post_bos, post_eos, byte_level=False),
-            {"type": "Sequence", "decoders": decoder},
-        )
-        tok.model = models.BPE(
-            vocab,
-            _spm_merges(tokens, scores, types),
-            unk_token=tokens[unk] if unk is not None else None,
-            byte_fallback=True,
-            fuse_unk=True,
-        )
+        tok = _sentencepiece_bpe(meta, tokens, types, unk, origin, post_bos, post_eos)
     else:
         raise ModelFormatError(
             f"{source}: GGUF tokenizer model {kind!r} (tokenizer.ggml.model) is not supported "
@@ -347,6 +312,72 @@ def tokenizer_from_metadata(meta: dict[str, Any], source: str) -> Tokenizer:
         add_bos_token=add_bos,
         origin=origin,
     )
+
+
+def _byte_level_bpe(
+    meta: dict[str, Any],
+    tokens: list[str],
+    source: str,
+    origin: dict[str, Any],
+    post_bos: int | None,
+    post_eos: int | None,
+) -> HFTokenizer:
+    """`tokenizer.ggml.model = gpt2`: byte-level BPE with the split `tokenizer.ggml.pre` names
+    (recorded in `origin`)."""
+    name, split = split_for(meta.get("tokenizer.ggml.pre"), source)
+    origin["pre"] = name
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    tok = _json_tokenizer(
+        split.normalizer,
+        split.pre_tokenizer,
+        _post_processor(tokens, post_bos, post_eos, byte_level=True),
+        _BYTE_DECODER,
+    )
+    tok.model = models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False)
+    return tok
+
+
+def _sentencepiece_bpe(
+    meta: dict[str, Any],
+    tokens: list[str],
+    types: list[int],
+    unk: int | None,
+    origin: dict[str, Any],
+    post_bos: int | None,
+    post_eos: int | None,
+) -> HFTokenizer:
+    """`tokenizer.ggml.model = llama`: a SentencePiece vocabulary as BPE with merges ranked by
+    the pieces' scores, byte fallback, the `▁` space and `add_space_prefix` (in `origin`)."""
+    scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    origin["add_space_prefix"] = space_prefix
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+    normalizer = (
+        {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"}, replace]}
+        if space_prefix
+        else replace
+    )
+    decoder = [
+        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
+    if space_prefix:
+        decoder.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    tok = _json_tokenizer(
+        normalizer,
+        None,
+        _post_processor(tokens, post_bos, post_eos, byte_level=False),
+        {"type": "Sequence", "decoders": decoder},
+    )
+    tok.model = models.BPE(
+        {t: i for i, t in enumerate(tokens)},
+        _spm_merges(tokens, scores, types),
+        unk_token=tokens[unk] if unk is not None else None,
+        byte_fallback=True,
+        fuse_unk=True,
+    )
+    return tok
 
 
 # -- bundles made before this module ----------------------------------------------------------------
