@@ -62,7 +62,8 @@ def mlx_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("draft", help="draft model: .gguf file or model folder")
     ap.add_argument("prompts", type=Path, help="Spec-Bench-format JSONL prompts")
@@ -74,12 +75,15 @@ def main() -> None:
     ap.add_argument("--modes", default="float32,float16")
     ap.add_argument("--max-prompt", type=int, default=512, help="cut prompts to this many tokens")
     ap.add_argument("--json", type=Path, help="write the figures here too")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
 
     from ondevice.convert.cli import _probe_prompts, draft_numpy_weights
     from ondevice.convert.coreml import convert_draft
     from ondevice.models import load_model
-    from ondevice.runtime.coreml_engines import ReferenceDraftEngine
 
     report: dict = {"draft": str(args.draft), "package": str(args.package)}
     t = time.perf_counter()
@@ -131,46 +135,53 @@ def main() -> None:
 
     report["modes"] = {}
     for mode in args.modes.split(","):
-        engine = ReferenceDraftEngine(args.package, accumulate=mode, probe=True)
-        per_category: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        step_s = []
-        t0 = time.perf_counter()
-        for p, ids, want in seqs:
-            engine.reset()
-            got = [int(np.argmax(engine.feed(ids, last_only=True)))]
-            for tok in want[:-1]:
-                t = time.perf_counter()
-                logits = engine.feed([tok], last_only=True)
-                step_s.append(time.perf_counter() - t)
-                got.append(int(np.argmax(logits)))
-            agree = sum(a == b for a, b in zip(got, want))
-            per_category[p.category][0] += agree
-            per_category[p.category][1] += len(want)
-            print(f"  [{mode}] {p.question_id}: {agree}/{len(want)}", flush=True)
-        magnitudes: dict[str, tuple[str, float]] = {}
-        for model in engine.models.values():
-            for name, (op_type, v) in (model.magnitudes or {}).items():
-                if name not in magnitudes or not v <= magnitudes[name][1]:
-                    magnitudes[name] = (op_type, v)
-        peaks = sorted(magnitudes.items(), key=lambda kv: -kv[1][1])
-        agree = sum(a for a, _ in per_category.values())
-        total = sum(n for _, n in per_category.values())
-        report["modes"][mode] = {
-            "agreement": round(agree / total, 4),
-            "positions": total,
-            "per_category": {c: round(a / n, 4) for c, (a, n) in sorted(per_category.items())},
-            "decode_ms_median": round(1000 * float(np.median(step_s)), 1),
-            "seconds": round(time.perf_counter() - t0, 1),
-            "peak": peaks[0][1][1],
-            "peak_fraction_of_fp16": round(peaks[0][1][1] / FP16_MAX, 4),
-            "largest": [[n, op, v] for n, (op, v) in peaks[:8]],
-        }
+        report["modes"][mode] = _agreement(args.package, mode, seqs)
         print(f"[{mode}] {json.dumps(report['modes'][mode])}", flush=True)
-        del engine
 
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
+
+
+def _agreement(package: Path, mode: str, seqs: list) -> dict:
+    """The package's greedy agreement with MLX's tokens `seqs` under accumulation `mode`, its
+    decode step time and its largest activations."""
+    from ondevice.runtime.coreml_engines import ReferenceDraftEngine
+
+    engine = ReferenceDraftEngine(package, accumulate=mode, probe=True)
+    per_category: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    step_s = []
+    t0 = time.perf_counter()
+    for p, ids, want in seqs:
+        engine.reset()
+        got = [int(np.argmax(engine.feed(ids, last_only=True)))]
+        for tok in want[:-1]:
+            t = time.perf_counter()
+            logits = engine.feed([tok], last_only=True)
+            step_s.append(time.perf_counter() - t)
+            got.append(int(np.argmax(logits)))
+        agree = sum(a == b for a, b in zip(got, want))
+        per_category[p.category][0] += agree
+        per_category[p.category][1] += len(want)
+        print(f"  [{mode}] {p.question_id}: {agree}/{len(want)}", flush=True)
+    magnitudes: dict[str, tuple[str, float]] = {}
+    for model in engine.models.values():
+        for name, (op_type, v) in (model.magnitudes or {}).items():
+            if name not in magnitudes or not v <= magnitudes[name][1]:
+                magnitudes[name] = (op_type, v)
+    peaks = sorted(magnitudes.items(), key=lambda kv: -kv[1][1])
+    agree = sum(a for a, _ in per_category.values())
+    total = sum(n for _, n in per_category.values())
+    return {
+        "agreement": round(agree / total, 4),
+        "positions": total,
+        "per_category": {c: round(a / n, 4) for c, (a, n) in sorted(per_category.items())},
+        "decode_ms_median": round(1000 * float(np.median(step_s)), 1),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "peak": peaks[0][1][1],
+        "peak_fraction_of_fp16": round(peaks[0][1][1] / FP16_MAX, 4),
+        "largest": [[n, op, v] for n, (op, v) in peaks[:8]],
+    }
 
 
 if __name__ == "__main__":

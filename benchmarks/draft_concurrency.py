@@ -43,14 +43,19 @@ def _child(conn, verifier: str, draft_layers: str, prompt: list[int]) -> None:
         conn.send("done")
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser()
     add_verifier_argument(ap)
     ap.add_argument("--draft-layers", default="0,1,28,29")
     ap.add_argument("--block", type=int, default=5, help="tokens per verifier pass")
     ap.add_argument("--steps", type=int, default=5, help="draft steps per round")
     ap.add_argument("--rounds", type=int, default=8)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
 
     v, d, desc = load_pair(args.verifier, None, args.draft_layers)
     prompt = v.tokenizer.encode("Explain how a rainbow forms, step by step, for a child. " * 4)
@@ -109,34 +114,40 @@ def main() -> None:
         verify_sync()
         assert parent.recv() == "done"
 
-    def verify_only() -> None:
-        verify_sync()
-
     def draft_only() -> None:
         _draft_steps(D, steps)
 
     modes = {
-        "verify only": verify_only,
+        "verify only": verify_sync,
         "draft only": draft_only,
         "serial": serial,
         "streams": streams,
         "thread": thread,
         "process": process,
     }
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    for fn in modes.values():  # warm-up
-        fn()
-    for _ in range(args.rounds):
-        for m, fn in modes.items():
-            t = time.perf_counter()
-            fn()
-            times[m].append(time.perf_counter() - t)
+    times = _time_modes(modes, args.rounds)
     jobs.put(None)
     th.join()
     parent.send(None)
     proc.join()
-
     print(f"verifier {args.verifier}; draft {desc}; block {args.block}, {args.steps} draft steps")
+    _report(times)
+
+
+def _time_modes(modes: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each mode per round, the modes interleaved (after one warm-up each)."""
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for fn in modes.values():  # warm-up
+        fn()
+    for _ in range(rounds):
+        for m, fn in modes.items():
+            t = time.perf_counter()
+            fn()
+            times[m].append(time.perf_counter() - t)
+    return times
+
+
+def _report(times: dict[str, list[float]]) -> None:
     med = {m: statistics.median(ts) * 1e3 for m, ts in times.items()}
     ideal = max(med["verify only"], med["draft only"])
     for m, ms in med.items():

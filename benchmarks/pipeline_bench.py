@@ -121,7 +121,8 @@ def run_pipelined(V, D, prompt, params, args, eos):
     }
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser()
     add_verifier_argument(ap)
     ap.add_argument("--draft", default=None, help="a draft model (folder or GGUF)")
@@ -134,7 +135,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--k", type=int, default=None, help="fixed draft length for both decoders")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
 
     v, draft_model, desc = load_pair(args.verifier, args.draft, args.draft_layers)
     V, D = MLXEngine(v.model), MLXEngine(draft_model)

@@ -128,6 +128,33 @@ def prompt_text(rng: random.Random, pool: int) -> str:
     return " ".join(rng.choice(["hello", "there", "robot", "paint", "story"]) for _ in range(6))
 
 
+async def _one_stream(client: httpx.AsyncClient, kind: str, text: str, n: int) -> str:
+    """A streamed chat ("chat_stream"), or one left after a few events ("disconnect_stream")."""
+    url = "/v1/chat/completions"
+    body = chat(text, n if kind == "chat_stream" else 400, stream=True)
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code == 429:
+            return "ok:429 queue full"
+        if r.status_code != 200:
+            return f"unexpected {r.status_code}"
+        events, pieces = 0, []
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            events += 1
+            if kind == "disconnect_stream" and events == 4:
+                return "ok:disconnect mid-stream"  # leaving the block closes the connection
+            if line == "data: [DONE]":
+                wrong = same_as_before("chat", body, text, n, "".join(pieces))
+                return wrong or "ok:200 stream"
+            event = json.loads(line[6:])
+            if "error" in event:
+                return f"unexpected error event {line[:120]}"
+            if event.get("choices"):
+                pieces.append(event["choices"][0]["delta"].get("content") or "")
+        return "unexpected stream without [DONE]"
+
+
 async def one(client: httpx.AsyncClient, kind: str, rng: random.Random, pool: int = 0) -> str:
     """Send one request of `kind`; return its outcome ("ok:..." expected, else unexpected)."""
     n = rng.randint(4, 24)
@@ -147,28 +174,7 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random, pool: in
             return wrong
         return "ok:200" if usage["completion_tokens"] == n else f"unexpected usage {usage}"
     if kind in ("chat_stream", "disconnect_stream"):
-        body = chat(text, n if kind == "chat_stream" else 400, stream=True)
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code == 429:
-                return "ok:429 queue full"
-            if r.status_code != 200:
-                return f"unexpected {r.status_code}"
-            events, pieces = 0, []
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events += 1
-                if kind == "disconnect_stream" and events == 4:
-                    return "ok:disconnect mid-stream"  # leaving the block closes the connection
-                if line == "data: [DONE]":
-                    wrong = same_as_before("chat", body, text, n, "".join(pieces))
-                    return wrong or "ok:200 stream"
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return f"unexpected error event {line[:120]}"
-                if event.get("choices"):
-                    pieces.append(event["choices"][0]["delta"].get("content") or "")
-            return "unexpected stream without [DONE]"
+        return await _one_stream(client, kind, text, n)
     if kind == "disconnect_wait":
         try:
             r = await client.post(url, json=chat(text, 600), timeout=0.3)
