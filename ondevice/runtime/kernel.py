@@ -58,6 +58,7 @@ DIST = "onednn-cpu-gomp"  # oneDNN's CPU build with GNU OpenMP: needs only libgo
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformer.py's
 ROWS = 16  # every product runs at this many rows (see "Batch invariance" above)...
 PREFILL_ROWS = 128  # ...or, in a pass over more than ROWS tokens (a prompt), in chunks of this
+KEY_BLOCK = 128  # attention reads the keys in blocks of this many (see `attention`)
 THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default 1, see below)
 
 # oneDNN C API constants (dnnl_types.h, oneDNN 3.x)
@@ -301,6 +302,61 @@ def available() -> bool:
     return mx.default_device() == mx.cpu and _open() is not None
 
 
+def attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | str | None = None,
+) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention` with rows that do not depend on the pass size.
+
+    q: (B, heads, L, D); k, v: (B, kv_heads, S, D), the last L keys being the pass's own;
+    mask: None, "causal" or an additive (or boolean) mask broadcastable to (B, heads, L, S).
+
+    A BLAS product's rows depend on its shape (MKL picks another path for another M, K or N),
+    and a row of attention is a product over every key so far. Here each product has one
+    shape whatever the pass: one token's query heads (GQA: the heads sharing a key head) against
+    one block of `KEY_BLOCK` keys, the last block padded and masked. The softmax's maximum is
+    exact in any order; its sum and the values' weighted sum are taken per block and then over
+    the blocks in order, and a block past a row's last key adds exact zeros. So a row costs
+    what it costs alone, and a pass over L tokens does L rows' work, not a padded pass's.
+    """
+    B, H, L, D = q.shape
+    kv_heads, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    rep, blk = H // kv_heads, KEY_BLOCK
+    nb = -(-S // blk)
+    if nb * blk > S:
+        pad = [(0, 0), (0, 0), (0, nb * blk - S), (0, 0)]
+        k, v = mx.pad(k, pad), mx.pad(v, pad)
+    # (B, kv_heads, L, 1, rep, D) @ (B, kv_heads, 1, nb, D, blk): one (rep, D) x (D, blk)
+    # product per token and block (MLX runs a batched product as one BLAS call per matrix)
+    qs = (q * scale).reshape(B, kv_heads, rep, L, D).transpose(0, 1, 3, 2, 4)[:, :, :, None]
+    s = qs @ k.reshape(B, kv_heads, 1, nb, blk, D).swapaxes(-1, -2)
+    keys = mx.arange(nb * blk).reshape(nb, 1, blk)
+    keep = keys < S  # the padding
+    if isinstance(mask, str):  # causal: query l sits at position S - L + l
+        keep = keep & (keys <= (S - L + mx.arange(L)).reshape(L, 1, 1, 1))
+    elif mask is not None:
+        m = mask if mask.ndim == 4 else mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        m = mx.pad(m, [(0, 0)] * 3 + [(0, nb * blk - S)])  # zeros (False): `keep` masks them
+        if m.shape[1] == H:  # per head: (B, kv_heads, rep, L, nb, blk) -> s's layout
+            m = m.reshape(m.shape[0], kv_heads, rep, L, nb, blk).transpose(0, 1, 3, 4, 2, 5)
+        else:
+            m = m.reshape(m.shape[0], 1, L, nb, 1, blk)
+        if m.dtype == mx.bool_:
+            keep = keep & m
+        else:
+            s = s + m
+    s = mx.where(keep, s, -mx.inf)
+    p = mx.exp(s - s.max(axis=(3, 5), keepdims=True))
+    total = p.sum(axis=-1).sum(axis=3)  # (B, kv_heads, L, rep)
+    out = (p @ v.reshape(B, kv_heads, 1, nb, blk, Dv)).sum(axis=3)  # (B, kv_heads, L, rep, Dv)
+    out = out / total[..., None]
+    return out.transpose(0, 1, 3, 2, 4).reshape(B, H, L, Dv)
+
+
 class KernelLinear(nn.Module):
     """`y = x @ W.T (+ b)` by oneDNN; W kept in the kernel's dtype (bf16 or float32).
 
@@ -324,7 +380,12 @@ class KernelLinear(nn.Module):
         self._bias_ptr = self._np_bias.ctypes.data if bias is not None else None
 
     def __call__(self, x: mx.array) -> mx.array:
-        N, K = self.weight.shape
+        return self.first_rows(x, self.weight.shape[0])
+
+    def first_rows(self, x: mx.array, N: int) -> mx.array:
+        """The outputs of W's first N rows only (a truncated-vocabulary head): a row-major
+        (N, K) matrix's first rows are a prefix of its buffer."""
+        K = self.weight.shape[1]
         lead = x.shape[:-1]
         rows = x.reshape(-1, K)
         if self._dtype == _BF16:
@@ -410,6 +471,21 @@ def serves(model: nn.Module) -> bool:
     return any(isinstance(m, KernelLinear) for _, m in model.named_modules())
 
 
+def batch_invariant(model: nn.Module) -> bool:
+    """Whether a row's logits do not depend on how many tokens share the pass: every product
+    of the model is the kernel's (a layer left quantized keeps MLX's) and so is attention."""
+    modules = [m for _, m in model.named_modules()]
+    return (
+        serves(model)
+        and not any(type(m) in (nn.Linear, nn.QuantizedLinear) for m in modules)
+        and all(m.attend is attention for m in modules if hasattr(m, "attend"))
+        and (
+            isinstance(getattr(model, "lm_head", None), KernelLinear)
+            or isinstance(model.model.embed_tokens, KernelEmbedding)  # type: ignore[union-attr]
+        )
+    )
+
+
 def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
     """Swap the linear products of an MLX transformer (`models.transformer.Model`) for the CPU
     kernel where it serves this machine; returns the kind in use (`mlx`: nothing changed).
@@ -456,5 +532,7 @@ def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
     for _, m in model.named_modules():
         if isinstance(m, KernelLinear):
             m.threads = threads
+        if hasattr(m, "attend"):
+            m.attend = attention
     mx.clear_cache()  # hand the float32 weights' memory back, not to MLX's buffer cache
     return kind
