@@ -5,6 +5,7 @@ greedy speculative decoding with it gives exactly plain decoding's tokens."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import tiny
 
 import ondevice
 from ondevice.models import load_model
+from ondevice.models.weights import save_model
 from ondevice.runtime import blas, kernel
 from ondevice.runtime.engines import MLXEngine, TimedEngine
 from ondevice.speculative.decoder import SpeculativeDecoder
@@ -218,3 +220,43 @@ def test_doctor_names_the_kernel(monkeypatch):
     report = doctor.collect()
     assert report["kernel"] == {"kernel": "mlx", "env": "mlx", "reason": "ONDEVICE_KERNEL=mlx"}
     assert "kernel      mlx (MLX's own products: ONDEVICE_KERNEL=mlx)" in doctor.render(report)
+
+
+K_QUANT_SIZES = {"hidden_size": 256, "intermediate": 512}  # K-quant rows are 256-value blocks
+
+
+@pytest.mark.skipif("bf16" not in KINDS, reason="no AVX512-BF16 here")
+@pytest.mark.parametrize("source", ["Q4_K", "Q6_K-tied", "Q8_0", "mlx-4bit", "float32"])
+def test_weights_read_in_the_kernels_dtype_compute_what_converted_ones_do(tmp_path, source):
+    """The loader rounds each product weight to bfloat16 as it reads it (no float32 copy of the
+    whole model): the served model is bitwise the one converted after a float32 load."""
+    if source.startswith(("Q4_K", "Q6_K", "Q8_0")):
+        quant = source.split("-")[0]
+        sizes = K_QUANT_SIZES if quant != "Q8_0" else {}
+        path, _ = tiny.write_gguf(tmp_path / "m.gguf", quant=quant, tie="tied" in source, **sizes)
+    else:
+        path = tiny.write_model(tmp_path / "st", tie=False, scale=1.5)
+        if source == "mlx-4bit":
+            save_model(load_model(path, quantize=4).model, tmp_path / "q")
+            shutil.copy(path / "tokenizer.json", tmp_path / "q")
+            path = tmp_path / "q"
+    converted = load_model(path, dequantize=True).model
+    kernel.serve(converted, "bf16")
+    loaded = load_model(path, dequantize=True, product_dtype="bfloat16").model
+    layer = loaded.layers[0]
+    assert layer.mlp.down_proj.weight.dtype == mx.bfloat16
+    assert layer.input_layernorm.weight.dtype == mx.float32
+    assert loaded.model.norm.weight.dtype == mx.float32
+    tied = loaded.config.tie_word_embeddings
+    assert (loaded.model.embed_tokens.weight.dtype == mx.bfloat16) is tied
+    kernel.serve(loaded, "bf16")
+    assert kernel.batch_invariant(loaded)
+    tokens = mx.array([5, 9, 14, 3, 22, 7, 11, 40])
+    assert np.array_equal(np.array(loaded(tokens)), np.array(converted(tokens)))
+
+
+def test_a_bfloat16_checkpoint_keeps_mlxs_products(tmp_path):
+    """A checkpoint that computes in a 16-bit type keeps MLX's products (as before the kernel)."""
+    path = tiny.write_model(tmp_path / "st", tie=False)
+    model = load_model(path, dtype="bfloat16").model
+    assert kernel.serve(model, "bf16") == "bf16" and not kernel.serves(model)

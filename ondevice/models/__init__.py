@@ -49,10 +49,13 @@ def load_model(
     dtype: str | None = None,
     quantize: int | None = None,
     dequantize: bool = False,
+    product_dtype: str | None = None,
 ) -> LoadedModel:
     """Load a model from a local HF folder, a GGUF file, a cached name or a hub id.
 
     dequantize: expand quantized weights (GGUF Q4/Q8, MLX-quantized folders) to float32.
+    product_dtype: with `dequantize`, the dtype of the weights that multiply activations
+    instead (the CPU kernel's `bfloat16`), rounded tensor by tensor as they are read.
     """
     from ondevice.models.weights import build_model, read_safetensors_dir
 
@@ -62,9 +65,17 @@ def load_model(
             raise ModelFormatError(f"{path}: expected a .gguf file or a model folder.")
         from ondevice.models.gguf import load_gguf
 
-        cfg, weights, tok = load_gguf(path, dequantize=dequantize)
+        cfg, weights, tok = load_gguf(
+            path, dequantize=dequantize, product_dtype=product_dtype if dequantize else None
+        )
         model = build_model(
-            cfg, weights, dtype=dtype, quantize=quantize, dequantize=dequantize, source=str(path)
+            cfg,
+            weights,
+            dtype=dtype,
+            quantize=quantize,
+            dequantize=dequantize,
+            product_dtype=product_dtype,
+            source=str(path),
         )
         return LoadedModel(model, cfg, tok, path)
     if not (path / "config.json").exists():
@@ -76,7 +87,13 @@ def load_model(
     _check_extra_fields(path / "config.json", cfg)
     weights = read_safetensors_dir(path)
     model = build_model(
-        cfg, weights, dtype=dtype, quantize=quantize, dequantize=dequantize, source=str(path)
+        cfg,
+        weights,
+        dtype=dtype,
+        quantize=quantize,
+        dequantize=dequantize,
+        product_dtype=product_dtype,
+        source=str(path),
     )
     tok = Tokenizer.from_dir(path, eos_token_ids=cfg.eos_token_id)
     return LoadedModel(model, cfg, tok, path)

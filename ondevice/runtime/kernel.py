@@ -466,6 +466,18 @@ def _join(module: nn.Module, names: tuple[str, ...], kind: str) -> None:
         lo += size
 
 
+def weight_dtype(kind: str | None = None) -> str | None:
+    """The dtype a loader should give the weights that multiply activations, so that `serve`
+    finds them converted (`bfloat16`) and no float32 copy of the whole model is ever made;
+    None where they stay float32 (or the kernel does not serve)."""
+    return "bfloat16" if (kind or choice()) == "bf16" else None
+
+
+def _computes_f32(model: nn.Module) -> bool:
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    return norm is not None and norm.weight.dtype == mx.float32
+
+
 def serves(model: nn.Module) -> bool:
     """Whether `serve` swapped this model's products for the kernel."""
     return any(isinstance(m, KernelLinear) for _, m in model.named_modules())
@@ -490,20 +502,24 @@ def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
     """Swap the linear products of an MLX transformer (`models.transformer.Model`) for the CPU
     kernel where it serves this machine; returns the kind in use (`mlx`: nothing changed).
 
-    Only float32 layers are swapped: quantized ones keep MLX's quantized products. threads:
+    Only float32 layers (or bfloat16 ones rounded by the loader, `weight_dtype`) are swapped:
+    quantized ones keep MLX's quantized products. threads:
     OpenMP threads per product (0: `default_threads()`)."""
     kind = kind or choice()
     if kind == "mlx":
         return kind
     if _open() is None:
         raise RuntimeError(_unavailable or "oneDNN is unavailable")
+    # float32 weights, or bfloat16 ones the loader rounded for this kernel (`weight_dtype`) in a
+    # model that computes in float32 (not a bfloat16 checkpoint's)
+    ours = (mx.float32, mx.bfloat16) if kind == "bf16" and _computes_f32(model) else (mx.float32,)
     # Products that share their input become one product (a list of their parents only, so
     # each float32 weight is freed as soon as it is joined).
     groups = [
         (m, names)
         for _, m in model.named_modules()
         for names in SHARED_INPUT
-        if all(type(m.get(n)) is nn.Linear and m[n].weight.dtype == mx.float32 for n in names)
+        if all(type(m.get(n)) is nn.Linear and m[n].weight.dtype in ours for n in names)
     ]
     for module, names in groups:
         _join(module, names, kind)
@@ -514,8 +530,7 @@ def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
     paths = [
         p
         for p, m in model.named_modules()
-        if (type(m) is nn.Linear or (tied and type(m) is nn.Embedding))
-        and m.weight.dtype == mx.float32
+        if (type(m) is nn.Linear or (tied and type(m) is nn.Embedding)) and m.weight.dtype in ours
     ]
     for path in paths:
         *parents, last = path.split(".")
