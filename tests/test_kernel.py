@@ -16,7 +16,7 @@ import pytest
 import tiny
 
 import ondevice
-from ondevice.models import load_model
+from ondevice.models import load_model, weights
 from ondevice.models.weights import save_model
 from ondevice.runtime import blas, kernel
 from ondevice.runtime.engines import MLXEngine, TimedEngine
@@ -227,9 +227,12 @@ K_QUANT_SIZES = {"hidden_size": 256, "intermediate": 512}  # K-quant rows are 25
 
 @pytest.mark.skipif("bf16" not in KINDS, reason="no AVX512-BF16 here")
 @pytest.mark.parametrize("source", ["Q4_K", "Q6_K-tied", "Q8_0", "mlx-4bit", "float32"])
-def test_weights_read_in_the_kernels_dtype_compute_what_converted_ones_do(tmp_path, source):
+def test_weights_read_in_the_kernels_dtype_compute_what_converted_ones_do(
+    tmp_path, source, monkeypatch
+):
     """The loader rounds each product weight to bfloat16 as it reads it (no float32 copy of the
-    whole model): the served model is bitwise the one converted after a float32 load."""
+    whole model), expanding quantized matrices a few rows at a time: the served model is
+    bitwise the one converted after a float32 load in one piece."""
     if source.startswith(("Q4_K", "Q6_K", "Q8_0")):
         quant = source.split("-")[0]
         sizes = K_QUANT_SIZES if quant != "Q8_0" else {}
@@ -242,6 +245,7 @@ def test_weights_read_in_the_kernels_dtype_compute_what_converted_ones_do(tmp_pa
             path = tmp_path / "q"
     converted = load_model(path, dequantize=True).model
     kernel.serve(converted, "bf16")
+    monkeypatch.setattr(weights, "EXPAND_BYTES", 4096)  # a few rows per piece
     loaded = load_model(path, dequantize=True, product_dtype="bfloat16").model
     layer = loaded.layers[0]
     assert layer.mlp.down_proj.weight.dtype == mx.bfloat16

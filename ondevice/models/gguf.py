@@ -362,7 +362,7 @@ def _load_dequantized(
 
     from gguf.quants import dequantize as gguf_dequantize
 
-    from ondevice.models.weights import DTYPES, is_product_weight
+    from ondevice.models.weights import DTYPES, EXPAND_BYTES, is_product_weight
 
     try:
         data = np.memmap(path, dtype=np.uint8, mode="r")
@@ -382,7 +382,16 @@ def _load_dequantized(
         if t.type in ("F32", "F16"):
             return raw.view(np.float32 if t.type == "F32" else np.float16).reshape(t.shape)
         qtype = GGMLQuantizationType[t.type]
-        return gguf_dequantize(raw.reshape(*t.shape[:-1], -1), qtype).reshape(t.shape)
+        blocks = raw.reshape(*t.shape[:-1], -1)
+        if len(t.shape) != 2:
+            return gguf_dequantize(blocks, qtype).reshape(t.shape)
+        # a few rows at a time: `gguf`'s numpy kernels take several times their output in
+        # temporaries (rows are independent, so the pieces are exact)
+        out = np.empty(t.shape, np.float32)
+        step = max(1, EXPAND_BYTES // (4 * t.shape[1]))
+        for i in range(0, t.shape[0], step):
+            out[i : i + step] = gguf_dequantize(blocks[i : i + step], qtype)
+        return out
 
     used = [(t, hf) for t in header.tensors if (hf := _hf_name(t.name.rpartition(".")[0]))]
     weights: dict[str, mx.array] = {}

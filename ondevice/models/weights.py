@@ -20,6 +20,10 @@ from ondevice.models.config import ModelConfig
 from ondevice.models.transformer import Model
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+# Quantized matrices are expanded this many bytes of float32 rows at a time: MLX's CPU
+# dequantize needs several times its output in temporaries (a whole 151,936-row embedding at
+# once would briefly take gigabytes); rows are independent, so the pieces are exact.
+EXPAND_BYTES = 64 << 20
 
 
 def is_product_weight(name: str, tied: bool) -> bool:
@@ -100,13 +104,28 @@ def expand_quantized(
             # float32 scales: dequantizing in float16 would round every weight (~1e-3 relative)
             scales = weights[f"{base}.scales"].astype(mx.float32)
             biases = weights[f"{base}.biases"].astype(mx.float32)
-            w = mx.dequantize(w, scales, biases, q["group_size"], q["bits"])
-        w = w.astype(mx.float32)
-        if product_dtype is not None and is_product_weight(name, tied):
-            w = w.astype(product_dtype)
-        out[name] = w
+            step = max(1, min(w.shape[0], EXPAND_BYTES // (4 * scales.shape[-1] * q["group_size"])))
+            parts = []
+            for i in range(0, w.shape[0], step):
+                part = mx.dequantize(
+                    w[i : i + step],
+                    scales[i : i + step],
+                    biases[i : i + step],
+                    q["group_size"],
+                    q["bits"],
+                )
+                parts.append(_rounded(name, part, product_dtype, tied))
+                mx.eval(parts[-1])
+            w = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+            del parts
+        out[name] = _rounded(name, w, product_dtype, tied)
         mx.eval(out[name])
     return out
+
+
+def _rounded(name: str, w: mx.array, product_dtype: mx.Dtype | None, tied: bool) -> mx.array:
+    w = w.astype(mx.float32)
+    return w.astype(product_dtype) if product_dtype and is_product_weight(name, tied) else w
 
 
 def build_model(
