@@ -60,6 +60,13 @@ def load_model(
     from ondevice.models.weights import build_model, read_safetensors_dir
 
     path = resolve(name)
+    options = {
+        "dtype": dtype,
+        "quantize": quantize,
+        "dequantize": dequantize,
+        "product_dtype": product_dtype,
+        "source": str(path),
+    }
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelFormatError(f"{path}: expected a .gguf file or a model folder.")
@@ -68,15 +75,7 @@ def load_model(
         cfg, weights, tok = load_gguf(
             path, dequantize=dequantize, product_dtype=product_dtype if dequantize else None
         )
-        model = build_model(
-            cfg,
-            weights,
-            dtype=dtype,
-            quantize=quantize,
-            dequantize=dequantize,
-            product_dtype=product_dtype,
-            source=str(path),
-        )
+        model = build_model(cfg, weights, **options)
         return LoadedModel(model, cfg, tok, path)
     if not (path / "config.json").exists():
         raise ModelFormatError(
@@ -85,16 +84,7 @@ def load_model(
         )
     cfg = ModelConfig.from_file(path / "config.json")
     _check_extra_fields(path / "config.json", cfg)
-    weights = read_safetensors_dir(path)
-    model = build_model(
-        cfg,
-        weights,
-        dtype=dtype,
-        quantize=quantize,
-        dequantize=dequantize,
-        product_dtype=product_dtype,
-        source=str(path),
-    )
+    model = build_model(cfg, read_safetensors_dir(path), **options)
     tok = Tokenizer.from_dir(path, eos_token_ids=cfg.eos_token_id)
     return LoadedModel(model, cfg, tok, path)
 

@@ -82,6 +82,7 @@ def expand_quantized(
     quant: dict[str, Any] | None,
     product_dtype: mx.Dtype | None = None,
     tied: bool = False,
+    release: bool = False,
 ) -> dict[str, mx.array]:
     """All weights in float32, quantized layers expanded by MLX's own kernels, evaluated one
     tensor at a time (no lazy graph over the whole model, no numpy round trip).
@@ -90,10 +91,14 @@ def expand_quantized(
     overrides keyed by layer path. A layer is quantized when its `.scales` tensor is present.
     product_dtype: the dtype of the weights that multiply activations (`is_product_weight`),
     rounded from float32 one tensor at a time, so that a float32 copy of the whole model never
-    exists (the CPU kernel's bfloat16). Each input tensor is let go once expanded."""
+    exists (the CPU kernel's bfloat16). release: take each tensor out of `weights` once
+    expanded, so that a lazily read file (`mx.load`) is never resident whole beside its
+    expansion (the caller's dict is consumed)."""
     quant = quant or {}
     out: dict[str, mx.array] = {}
     for name in list(weights):
+        if name not in weights:  # a released layer's scales or biases
+            continue
         w = weights[name]
         base, _, kind = name.rpartition(".")
         quantized = f"{base}.scales" in weights
@@ -120,6 +125,10 @@ def expand_quantized(
             del parts
         out[name] = _rounded(name, w, product_dtype, tied)
         mx.eval(out[name])
+        if release:
+            del w
+            for part in (name, f"{base}.scales", f"{base}.biases") if quantized else (name,):
+                weights.pop(part, None)
     return out
 
 
@@ -156,7 +165,10 @@ def build_model(
         )
 
     if dequantize and cfg.quantization:
-        weights = expand_quantized(weights, cfg.quantization, keep, cfg.tie_word_embeddings)
+        # `weights` is this function's own dict (filtered above): let each tensor go as expanded
+        weights = expand_quantized(
+            weights, cfg.quantization, keep, cfg.tie_word_embeddings, release=True
+        )
         cfg.quantization = None
         dtype = dtype or "float32"
     if cfg.tie_word_embeddings:
