@@ -28,7 +28,12 @@ another blocking for another M. Every product of a pass over up to `ROWS` tokens
 verification, trees) therefore runs at one fixed M (`ROWS`), padded; where the pass is bound by
 memory the padding costs nothing. A longer pass (a prompt) runs in padded chunks of
 `PREFILL_ROWS`, where the product is bound by compute and the larger blocks pay; the tests
-check that its rows equal the small passes' too.
+check that its rows equal the small passes' too. Attention's products go through MLX's BLAS,
+so `serve` also swaps in `attention`, whose products have one shape per row whatever the pass;
+a served model then declares `batch_invariant` (runtime/engines.py).
+
+Memory: a loader that is told `weight_dtype()` (`ondevice.load` does) rounds each product
+weight to bfloat16 as it reads it (models/weights.py), so no float32 copy of the model exists.
 
 `ONDEVICE_KERNEL` chooses: `auto` (default: bf16 where the CPU has AVX512-BF16, else float32),
 `bf16`, `f32` (both through oneDNN) or `mlx` (MLX's own products: the path before this kernel).
@@ -51,8 +56,8 @@ import numpy as np
 ENV = "ONDEVICE_KERNEL"
 CHOICES = ("auto", "bf16", "f32", "mlx")
 # Opt-in for now (ONDEVICE_KERNEL=auto): with bfloat16 weights a model's tokens are no longer
-# those of the same weights in float32 (mlx-lm's), and a pass is batch-invariant only where MLX's
-# own products (attention) are too, which MKL's are not.
+# those of the same weights in float32 (mlx-lm's), which tests and `--peers mlx-lm` compare
+# with; making it the default needs those to pin ONDEVICE_KERNEL=mlx (docs/benchmarks.md).
 DEFAULT = "mlx"
 DIST = "onednn-cpu-gomp"  # oneDNN's CPU build with GNU OpenMP: needs only libgomp
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformer.py's
