@@ -238,7 +238,8 @@ def test_weights_read_in_the_kernels_dtype_compute_what_converted_ones_do(
         sizes = K_QUANT_SIZES if quant != "Q8_0" else {}
         path, _ = tiny.write_gguf(tmp_path / "m.gguf", quant=quant, tie="tied" in source, **sizes)
     else:
-        path = tiny.write_model(tmp_path / "st", tie=False, scale=1.5)
+        # qwen2: q/k/v biases beside the quantized weights' scales and biases
+        path = tiny.write_model(tmp_path / "st", arch="qwen2", tie=False, scale=1.5)
         if source == "mlx-4bit":
             save_model(load_model(path, quantize=4).model, tmp_path / "q")
             shutil.copy(path / "tokenizer.json", tmp_path / "q")

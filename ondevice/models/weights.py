@@ -127,7 +127,8 @@ def expand_quantized(
         mx.eval(out[name])
         if release:
             del w
-            for part in (name, f"{base}.scales", f"{base}.biases") if quantized else (name,):
+            expanded = quantized and kind == "weight"
+            for part in (name, f"{base}.scales", f"{base}.biases") if expanded else (name,):
                 weights.pop(part, None)
     return out
 
