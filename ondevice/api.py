@@ -696,6 +696,10 @@ def load(
     if dequantize is None:
         dequantize = quantize is None and mx.default_device() == mx.cpu
     opts = {"dtype": dtype, "dequantize": dequantize}
+    if dequantize:  # the CPU kernel's weights are read in its dtype (runtime/kernel.py)
+        from ondevice.runtime import kernel
+
+        opts["product_dtype"] = kernel.weight_dtype()
     path = resolve(verifier)
     pair: _Pair
     from ondevice.models.bundle import is_bundle, open_bundle

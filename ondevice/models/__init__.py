@@ -49,23 +49,33 @@ def load_model(
     dtype: str | None = None,
     quantize: int | None = None,
     dequantize: bool = False,
+    product_dtype: str | None = None,
 ) -> LoadedModel:
     """Load a model from a local HF folder, a GGUF file, a cached name or a hub id.
 
     dequantize: expand quantized weights (GGUF Q4/Q8, MLX-quantized folders) to float32.
+    product_dtype: with `dequantize`, the dtype of the weights that multiply activations
+    instead (the CPU kernel's `bfloat16`), rounded tensor by tensor as they are read.
     """
     from ondevice.models.weights import build_model, read_safetensors_dir
 
     path = resolve(name)
+    options = {
+        "dtype": dtype,
+        "quantize": quantize,
+        "dequantize": dequantize,
+        "product_dtype": product_dtype,
+        "source": str(path),
+    }
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelFormatError(f"{path}: expected a .gguf file or a model folder.")
         from ondevice.models.gguf import load_gguf
 
-        cfg, weights, tok = load_gguf(path, dequantize=dequantize)
-        model = build_model(
-            cfg, weights, dtype=dtype, quantize=quantize, dequantize=dequantize, source=str(path)
+        cfg, weights, tok = load_gguf(
+            path, dequantize=dequantize, product_dtype=product_dtype if dequantize else None
         )
+        model = build_model(cfg, weights, **options)
         return LoadedModel(model, cfg, tok, path)
     if not (path / "config.json").exists():
         raise ModelFormatError(
@@ -74,10 +84,7 @@ def load_model(
         )
     cfg = ModelConfig.from_file(path / "config.json")
     _check_extra_fields(path / "config.json", cfg)
-    weights = read_safetensors_dir(path)
-    model = build_model(
-        cfg, weights, dtype=dtype, quantize=quantize, dequantize=dequantize, source=str(path)
-    )
+    model = build_model(cfg, read_safetensors_dir(path), **options)
     tok = Tokenizer.from_dir(path, eos_token_ids=cfg.eos_token_id)
     return LoadedModel(model, cfg, tok, path)
 

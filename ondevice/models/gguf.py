@@ -277,7 +277,7 @@ def _needs_unpermute(arch: str, base: str) -> str | None:
 
 
 def load_gguf(
-    path: str | Path, *, dequantize: bool = False
+    path: str | Path, *, dequantize: bool = False, product_dtype: str | None = None
 ) -> tuple[ModelConfig, dict[str, mx.array], Tokenizer]:
     """Config, weights (Hugging Face names) and tokenizer of a llama.cpp GGUF file.
 
@@ -286,6 +286,8 @@ def load_gguf(
     Q5_0, ...) are dequantized by the `gguf` package; `dequantize=True` keeps those floats
     exactly, otherwise they are requantized to MLX's affine format (same bits, groups of 32) so
     the weights stay small where MLX runs quantized (Apple GPUs, bundles on disk).
+    product_dtype: the dtype of the expanded weights that multiply activations (the CPU
+    kernel's bfloat16, `weights.is_product_weight`), rounded one tensor at a time.
     """
     path = Path(path)
     source = str(path)
@@ -306,7 +308,9 @@ def load_gguf(
     if all(t.type in MLX_NATIVE_TYPES for t in header.tensors):
         weights, quant = _load_native(path, cfg)
     else:
-        weights, quant = _load_dequantized(path, header, cfg, requantize=not dequantize)
+        weights, quant = _load_dequantized(
+            path, header, cfg, requantize=not dequantize, product_dtype=product_dtype
+        )
     if quant:
         common = Counter((q["group_size"], q["bits"]) for q in quant.values()).most_common(1)[0][0]
         cfg.quantization = {"group_size": common[0], "bits": common[1]}
@@ -350,13 +354,15 @@ def _load_native(
 
 
 def _load_dequantized(
-    path: Path, header: Header, cfg: ModelConfig, requantize: bool
+    path: Path, header: Header, cfg: ModelConfig, requantize: bool, product_dtype: str | None
 ) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
     """Every tensor read from a memory map and expanded by `gguf`'s numpy kernels (two threads:
     numpy releases the GIL in them), then optionally requantized to MLX's format."""
     from concurrent.futures import ThreadPoolExecutor
 
     from gguf.quants import dequantize as gguf_dequantize
+
+    from ondevice.models.weights import DTYPES, EXPAND_BYTES, is_product_weight
 
     try:
         data = np.memmap(path, dtype=np.uint8, mode="r")
@@ -376,7 +382,16 @@ def _load_dequantized(
         if t.type in ("F32", "F16"):
             return raw.view(np.float32 if t.type == "F32" else np.float16).reshape(t.shape)
         qtype = GGMLQuantizationType[t.type]
-        return gguf_dequantize(raw.reshape(*t.shape[:-1], -1), qtype).reshape(t.shape)
+        blocks = raw.reshape(*t.shape[:-1], -1)
+        if len(t.shape) != 2:
+            return gguf_dequantize(blocks, qtype).reshape(t.shape)
+        # a few rows at a time: `gguf`'s numpy kernels take several times their output in
+        # temporaries (rows are independent, so the pieces are exact)
+        out = np.empty(t.shape, np.float32)
+        step = max(1, EXPAND_BYTES // (4 * t.shape[1]))
+        for i in range(0, t.shape[0], step):
+            out[i : i + step] = gguf_dequantize(blocks[i : i + step], qtype)
+        return out
 
     used = [(t, hf) for t in header.tensors if (hf := _hf_name(t.name.rpartition(".")[0]))]
     weights: dict[str, mx.array] = {}
@@ -399,6 +414,8 @@ def _load_dequantized(
                 weights[f"{hf}.scales"] = scales.astype(mx.float16)
                 weights[f"{hf}.biases"] = biases.astype(mx.float16)
                 quant[hf] = {"group_size": GROUP_SIZE, "bits": bits}
+            elif product_dtype and is_product_weight(f"{hf}.{kind}", cfg.tie_word_embeddings):
+                weights[f"{hf}.{kind}"] = w.astype(DTYPES[product_dtype])
             else:
                 weights[f"{hf}.{kind}"] = w
             mx.eval(weights)  # let go of the numpy copy before the next tensor

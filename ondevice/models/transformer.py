@@ -95,6 +95,9 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.rope = RoPE(cfg)
+        # scaled dot-product attention over (q, keys, values, scale, mask); the CPU kernel swaps
+        # in one whose rows do not depend on the pass size (runtime/kernel.py)
+        self.attend = mx.fast.scaled_dot_product_attention
 
     def __call__(
         self,
@@ -115,7 +118,7 @@ class Attention(nn.Module):
         k = self.rope(k, offset, positions)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = self.attend(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -214,6 +217,8 @@ class Model(nn.Module):
 def _head_rows(layer: nn.Module, h: mx.array, rows: int) -> mx.array:
     """Logits for the first `rows` token ids only (a truncated-vocabulary draft): the output
     matrix's rows are independent, so slicing them (packed ones too) is exact."""
+    if hasattr(layer, "first_rows"):  # the CPU kernel's (runtime/kernel.py)
+        return layer.first_rows(h, rows)
     if isinstance(layer, (nn.QuantizedEmbedding, nn.QuantizedLinear)):
         return mx.quantized_matmul(
             h,

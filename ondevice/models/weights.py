@@ -20,6 +20,18 @@ from ondevice.models.config import ModelConfig
 from ondevice.models.transformer import Model
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+# Quantized matrices are expanded this many bytes of float32 rows at a time: MLX's CPU
+# dequantize needs several times its output in temporaries (a whole 151,936-row embedding at
+# once would briefly take gigabytes); rows are independent, so the pieces are exact.
+EXPAND_BYTES = 64 << 20
+
+
+def is_product_weight(name: str, tied: bool) -> bool:
+    """Whether the tensor `name` multiplies activations: a linear layer's weight, or the
+    embedding where the head is tied to it (the CPU kernel keeps these in its own dtype)."""
+    return name.endswith(("_proj.weight", "lm_head.weight")) or (
+        tied and name.endswith("embed_tokens.weight")
+    )
 
 
 def read_safetensors_dir(path: Path) -> dict[str, mx.array]:
@@ -66,16 +78,28 @@ def _quant_params(cfg: ModelConfig, path: str) -> dict[str, int] | None:
 
 
 def expand_quantized(
-    weights: dict[str, mx.array], quant: dict[str, Any] | None
+    weights: dict[str, mx.array],
+    quant: dict[str, Any] | None,
+    product_dtype: mx.Dtype | None = None,
+    tied: bool = False,
+    release: bool = False,
 ) -> dict[str, mx.array]:
     """All weights in float32, quantized layers expanded by MLX's own kernels, evaluated one
     tensor at a time (no lazy graph over the whole model, no numpy round trip).
 
     `quant` is a config's `quantization` entry: defaults (`group_size`, `bits`) and/or per-layer
-    overrides keyed by layer path. A layer is quantized when its `.scales` tensor is present."""
+    overrides keyed by layer path. A layer is quantized when its `.scales` tensor is present.
+    product_dtype: the dtype of the weights that multiply activations (`is_product_weight`),
+    rounded from float32 one tensor at a time, so that a float32 copy of the whole model never
+    exists (the CPU kernel's bfloat16). release: take each tensor out of `weights` once
+    expanded, so that a lazily read file (`mx.load`) is never resident whole beside its
+    expansion (the caller's dict is consumed)."""
     quant = quant or {}
     out: dict[str, mx.array] = {}
-    for name, w in weights.items():
+    for name in list(weights):
+        if name not in weights:  # a released layer's scales or biases
+            continue
+        w = weights[name]
         base, _, kind = name.rpartition(".")
         quantized = f"{base}.scales" in weights
         if quantized and kind in ("scales", "biases"):
@@ -85,10 +109,33 @@ def expand_quantized(
             # float32 scales: dequantizing in float16 would round every weight (~1e-3 relative)
             scales = weights[f"{base}.scales"].astype(mx.float32)
             biases = weights[f"{base}.biases"].astype(mx.float32)
-            w = mx.dequantize(w, scales, biases, q["group_size"], q["bits"])
-        out[name] = w.astype(mx.float32)
+            step = max(1, min(w.shape[0], EXPAND_BYTES // (4 * scales.shape[-1] * q["group_size"])))
+            parts = []
+            for i in range(0, w.shape[0], step):
+                part = mx.dequantize(
+                    w[i : i + step],
+                    scales[i : i + step],
+                    biases[i : i + step],
+                    q["group_size"],
+                    q["bits"],
+                )
+                parts.append(_rounded(name, part, product_dtype, tied))
+                mx.eval(parts[-1])
+            w = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+            del parts
+        out[name] = _rounded(name, w, product_dtype, tied)
         mx.eval(out[name])
+        if release:
+            del w
+            expanded = quantized and kind == "weight"
+            for part in (name, f"{base}.scales", f"{base}.biases") if expanded else (name,):
+                weights.pop(part, None)
     return out
+
+
+def _rounded(name: str, w: mx.array, product_dtype: mx.Dtype | None, tied: bool) -> mx.array:
+    w = w.astype(mx.float32)
+    return w.astype(product_dtype) if product_dtype and is_product_weight(name, tied) else w
 
 
 def build_model(
@@ -98,15 +145,31 @@ def build_model(
     dtype: str | None = None,
     quantize: int | None = None,
     dequantize: bool = False,
+    product_dtype: str | None = None,
     source: str = "weights",
 ) -> Model:
     """A model with `weights` loaded, checked tensor by tensor against the config.
 
     dequantize: expand quantized layers to float (float32 unless `dtype` says otherwise).
+    product_dtype: with `dequantize`, the dtype of the weights that multiply activations
+    (`is_product_weight`; the CPU kernel's bfloat16), converted tensor by tensor; tensors
+    already in it (a GGUF file's, `load_gguf`) stay so.
     """
     weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    keep = DTYPES[product_dtype] if product_dtype and dequantize else None
+
+    def kept(name: str, w: mx.array) -> bool:  # a float32 (or already rounded) product weight
+        return (
+            keep is not None
+            and w.dtype in (mx.float32, keep)
+            and is_product_weight(name, cfg.tie_word_embeddings)
+        )
+
     if dequantize and cfg.quantization:
-        weights = expand_quantized(weights, cfg.quantization)
+        # `weights` is this function's own dict (filtered above): let each tensor go as expanded
+        weights = expand_quantized(
+            weights, cfg.quantization, keep, cfg.tie_word_embeddings, release=True
+        )
         cfg.quantization = None
         dtype = dtype or "float32"
     if cfg.tie_word_embeddings:
@@ -144,7 +207,9 @@ def build_model(
         floats = [
             v.dtype
             for k, v in weights.items()
-            if mx.issubdtype(v.dtype, mx.floating) and not k.endswith(("scales", "biases"))
+            if mx.issubdtype(v.dtype, mx.floating)
+            and not k.endswith(("scales", "biases"))
+            and not (kept(k, v) and v.dtype == keep)
         ]
         target = Counter(floats).most_common(1)[0][0] if floats else mx.float16
         if target == mx.float32 and cfg.quantization and mx.default_device() != mx.cpu:
@@ -153,7 +218,14 @@ def build_model(
             target = mx.float16
     model.load_weights(
         [
-            (k, v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v)
+            (
+                k,
+                v.astype(keep)
+                if kept(k, v)
+                else v.astype(target)
+                if mx.issubdtype(v.dtype, mx.floating)
+                else v,
+            )
             for k, v in weights.items()
         ]
     )

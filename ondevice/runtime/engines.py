@@ -50,12 +50,12 @@ class MLXEngine:
         self.context_length = context_length or model.config.max_position_embeddings
         self.prefill_chunk = prefill_chunk
         self.cache = model.make_cache()
-        # Served by the CPU kernel, a pass is computed while it is built rather than lazily
-        # (runtime/kernel.py). Its linear products are batch-invariant, but attention still goes
-        # through MLX's products (MKL's rows depend on the pass size), so no MLX engine claims
-        # `batch_invariant` yet (tests/test_kernel.py shows the gap).
+        # Served by the CPU kernel, a pass is computed while it is built rather than lazily, and
+        # a row's logits do not depend on how many tokens share the pass: its linear products
+        # and its attention run at shapes fixed per row (runtime/kernel.py). MLX's own products
+        # (MKL's, Metal's) pick their blocking by shape, so elsewhere no engine claims it.
         self.eager = kernel.serves(model)
-        self.batch_invariant = False
+        self.batch_invariant = kernel.batch_invariant(model)
 
     @property
     def length(self) -> int:

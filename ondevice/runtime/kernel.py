@@ -28,7 +28,12 @@ another blocking for another M. Every product of a pass over up to `ROWS` tokens
 verification, trees) therefore runs at one fixed M (`ROWS`), padded; where the pass is bound by
 memory the padding costs nothing. A longer pass (a prompt) runs in padded chunks of
 `PREFILL_ROWS`, where the product is bound by compute and the larger blocks pay; the tests
-check that its rows equal the small passes' too.
+check that its rows equal the small passes' too. Attention's products go through MLX's BLAS,
+so `serve` also swaps in `attention`, whose products have one shape per row whatever the pass;
+a served model then declares `batch_invariant` (runtime/engines.py).
+
+Memory: a loader that is told `weight_dtype()` (`ondevice.load` does) rounds each product
+weight to bfloat16 as it reads it (models/weights.py), so no float32 copy of the model exists.
 
 `ONDEVICE_KERNEL` chooses: `auto` (default: bf16 where the CPU has AVX512-BF16, else float32),
 `bf16`, `f32` (both through oneDNN) or `mlx` (MLX's own products: the path before this kernel).
@@ -51,13 +56,14 @@ import numpy as np
 ENV = "ONDEVICE_KERNEL"
 CHOICES = ("auto", "bf16", "f32", "mlx")
 # Opt-in for now (ONDEVICE_KERNEL=auto): with bfloat16 weights a model's tokens are no longer
-# those of the same weights in float32 (mlx-lm's), and a pass is batch-invariant only where MLX's
-# own products (attention) are too, which MKL's are not.
+# those of the same weights in float32 (mlx-lm's), which tests and `--peers mlx-lm` compare
+# with; making it the default needs those to pin ONDEVICE_KERNEL=mlx (docs/benchmarks.md).
 DEFAULT = "mlx"
 DIST = "onednn-cpu-gomp"  # oneDNN's CPU build with GNU OpenMP: needs only libgomp
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformer.py's
 ROWS = 16  # every product runs at this many rows (see "Batch invariance" above)...
 PREFILL_ROWS = 128  # ...or, in a pass over more than ROWS tokens (a prompt), in chunks of this
+KEY_BLOCK = 128  # attention reads the keys in blocks of this many (see `attention`)
 THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default 1, see below)
 
 # oneDNN C API constants (dnnl_types.h, oneDNN 3.x)
@@ -301,6 +307,61 @@ def available() -> bool:
     return mx.default_device() == mx.cpu and _open() is not None
 
 
+def attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | str | None = None,
+) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention` with rows that do not depend on the pass size.
+
+    q: (B, heads, L, D); k, v: (B, kv_heads, S, D), the last L keys being the pass's own;
+    mask: None, "causal" or an additive (or boolean) mask broadcastable to (B, heads, L, S).
+
+    A BLAS product's rows depend on its shape (MKL picks another path for another M, K or N),
+    and a row of attention is a product over every key so far. Here each product has one
+    shape whatever the pass: one token's query heads (GQA: the heads sharing a key head) against
+    one block of `KEY_BLOCK` keys, the last block padded and masked. The softmax's maximum is
+    exact in any order; its sum and the values' weighted sum are taken per block and then over
+    the blocks in order, and a block past a row's last key adds exact zeros. So a row costs
+    what it costs alone, and a pass over L tokens does L rows' work, not a padded pass's.
+    """
+    B, H, L, D = q.shape
+    kv_heads, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    rep, blk = H // kv_heads, KEY_BLOCK
+    nb = -(-S // blk)
+    if nb * blk > S:
+        pad = [(0, 0), (0, 0), (0, nb * blk - S), (0, 0)]
+        k, v = mx.pad(k, pad), mx.pad(v, pad)
+    # (B, kv_heads, L, 1, rep, D) @ (B, kv_heads, 1, nb, D, blk): one (rep, D) x (D, blk)
+    # product per token and block (MLX runs a batched product as one BLAS call per matrix)
+    qs = (q * scale).reshape(B, kv_heads, rep, L, D).transpose(0, 1, 3, 2, 4)[:, :, :, None]
+    s = qs @ k.reshape(B, kv_heads, 1, nb, blk, D).swapaxes(-1, -2)
+    keys = mx.arange(nb * blk).reshape(nb, 1, blk)
+    keep = keys < S  # the padding
+    if isinstance(mask, str):  # causal: query l sits at position S - L + l
+        keep = keep & (keys <= (S - L + mx.arange(L)).reshape(L, 1, 1, 1))
+    elif mask is not None:
+        m = mask if mask.ndim == 4 else mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        m = mx.pad(m, [(0, 0)] * 3 + [(0, nb * blk - S)])  # zeros (False): `keep` masks them
+        if m.shape[1] == H:  # per head: (B, kv_heads, rep, L, nb, blk) -> s's layout
+            m = m.reshape(m.shape[0], kv_heads, rep, L, nb, blk).transpose(0, 1, 3, 4, 2, 5)
+        else:
+            m = m.reshape(m.shape[0], 1, L, nb, 1, blk)
+        if m.dtype == mx.bool_:
+            keep = keep & m
+        else:
+            s = s + m
+    s = mx.where(keep, s, -mx.inf)
+    p = mx.exp(s - s.max(axis=(3, 5), keepdims=True))
+    total = p.sum(axis=-1).sum(axis=3)  # (B, kv_heads, L, rep)
+    out = (p @ v.reshape(B, kv_heads, 1, nb, blk, Dv)).sum(axis=3)  # (B, kv_heads, L, rep, Dv)
+    out = out / total[..., None]
+    return out.transpose(0, 1, 3, 2, 4).reshape(B, H, L, Dv)
+
+
 class KernelLinear(nn.Module):
     """`y = x @ W.T (+ b)` by oneDNN; W kept in the kernel's dtype (bf16 or float32).
 
@@ -324,7 +385,12 @@ class KernelLinear(nn.Module):
         self._bias_ptr = self._np_bias.ctypes.data if bias is not None else None
 
     def __call__(self, x: mx.array) -> mx.array:
-        N, K = self.weight.shape
+        return self.first_rows(x, self.weight.shape[0])
+
+    def first_rows(self, x: mx.array, N: int) -> mx.array:
+        """The outputs of W's first N rows only (a truncated-vocabulary head): a row-major
+        (N, K) matrix's first rows are a prefix of its buffer."""
+        K = self.weight.shape[1]
         lead = x.shape[:-1]
         rows = x.reshape(-1, K)
         if self._dtype == _BF16:
@@ -405,29 +471,60 @@ def _join(module: nn.Module, names: tuple[str, ...], kind: str) -> None:
         lo += size
 
 
+def weight_dtype(kind: str | None = None) -> str | None:
+    """The dtype a loader should give the weights that multiply activations, so that `serve`
+    finds them converted (`bfloat16`) and no float32 copy of the whole model is ever made;
+    None where they stay float32 (or the kernel does not serve)."""
+    return "bfloat16" if (kind or choice()) == "bf16" else None
+
+
+def _computes_f32(model: nn.Module) -> bool:
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    return norm is not None and norm.weight.dtype == mx.float32
+
+
 def serves(model: nn.Module) -> bool:
     """Whether `serve` swapped this model's products for the kernel."""
     return any(isinstance(m, KernelLinear) for _, m in model.named_modules())
+
+
+def batch_invariant(model: nn.Module) -> bool:
+    """Whether a row's logits do not depend on how many tokens share the pass: every product
+    of the model is the kernel's (a layer left quantized keeps MLX's) and so is attention."""
+    modules = [m for _, m in model.named_modules()]
+    return (
+        serves(model)
+        and not any(type(m) in (nn.Linear, nn.QuantizedLinear) for m in modules)
+        and all(m.attend is attention for m in modules if hasattr(m, "attend"))
+        and (
+            isinstance(getattr(model, "lm_head", None), KernelLinear)
+            or isinstance(model.model.embed_tokens, KernelEmbedding)  # type: ignore[union-attr]
+        )
+    )
 
 
 def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
     """Swap the linear products of an MLX transformer (`models.transformer.Model`) for the CPU
     kernel where it serves this machine; returns the kind in use (`mlx`: nothing changed).
 
-    Only float32 layers are swapped: quantized ones keep MLX's quantized products. threads:
+    Only float32 layers (or bfloat16 ones rounded by the loader, `weight_dtype`) are swapped:
+    quantized ones keep MLX's quantized products. threads:
     OpenMP threads per product (0: `default_threads()`)."""
     kind = kind or choice()
     if kind == "mlx":
         return kind
     if _open() is None:
         raise RuntimeError(_unavailable or "oneDNN is unavailable")
+    # float32 weights, or bfloat16 ones the loader rounded for this kernel (`weight_dtype`) in a
+    # model that computes in float32 (not a bfloat16 checkpoint's)
+    ours = (mx.float32, mx.bfloat16) if kind == "bf16" and _computes_f32(model) else (mx.float32,)
     # Products that share their input become one product (a list of their parents only, so
     # each float32 weight is freed as soon as it is joined).
     groups = [
         (m, names)
         for _, m in model.named_modules()
         for names in SHARED_INPUT
-        if all(type(m.get(n)) is nn.Linear and m[n].weight.dtype == mx.float32 for n in names)
+        if all(type(m.get(n)) is nn.Linear and m[n].weight.dtype in ours for n in names)
     ]
     for module, names in groups:
         _join(module, names, kind)
@@ -438,8 +535,7 @@ def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
     paths = [
         p
         for p, m in model.named_modules()
-        if (type(m) is nn.Linear or (tied and type(m) is nn.Embedding))
-        and m.weight.dtype == mx.float32
+        if (type(m) is nn.Linear or (tied and type(m) is nn.Embedding)) and m.weight.dtype in ours
     ]
     for path in paths:
         *parents, last = path.split(".")
@@ -456,5 +552,7 @@ def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
     for _, m in model.named_modules():
         if isinstance(m, KernelLinear):
             m.threads = threads
+        if hasattr(m, "attend"):
+            m.attend = attention
     mx.clear_cache()  # hand the float32 weights' memory back, not to MLX's buffer cache
     return kind
