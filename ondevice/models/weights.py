@@ -183,6 +183,38 @@ def build_model(
                 or False
             ),
         )
+    _check_tensors(model, weights, source)
+    target = DTYPES[dtype] if dtype else None
+    if target is None:
+        target = _compute_dtype(
+            cfg,
+            [
+                v.dtype
+                for k, v in weights.items()
+                if not k.endswith(("scales", "biases")) and not (kept(k, v) and v.dtype == keep)
+            ],
+        )
+    model.load_weights(
+        [
+            (
+                k,
+                v.astype(keep)
+                if kept(k, v)
+                else v.astype(target)
+                if mx.issubdtype(v.dtype, mx.floating)
+                else v,
+            )
+            for k, v in weights.items()
+        ]
+    )
+    if quantize:
+        _quantize(model, cfg, quantize)
+    mx.eval(model.parameters())
+    return model
+
+
+def _check_tensors(model: Model, weights: dict[str, mx.array], source: str) -> None:
+    """Every tensor the model expects is in `weights`, with its shape, and nothing else is."""
     expected = dict(tree_flatten(model.parameters()))
     missing = [k for k in expected if k not in weights]
     if missing:
@@ -202,48 +234,34 @@ def build_model(
                 f"{source}: tensor {k!r} has shape {tuple(weights[k].shape)} but config.json "
                 f"implies {tuple(v.shape)}."
             )
-    target = DTYPES[dtype] if dtype else None
-    if target is None:
-        floats = [
-            v.dtype
-            for k, v in weights.items()
-            if mx.issubdtype(v.dtype, mx.floating)
-            and not k.endswith(("scales", "biases"))
-            and not (kept(k, v) and v.dtype == keep)
-        ]
-        target = Counter(floats).most_common(1)[0][0] if floats else mx.float16
-        if target == mx.float32 and cfg.quantization and mx.default_device() != mx.cpu:
-            # a quantized model whose float tensors are float32 (a GGUF file's norms): on the
-            # GPU compute in float16 like mlx-lm's quantized models, not at twice the traffic
-            target = mx.float16
-    model.load_weights(
-        [
-            (
-                k,
-                v.astype(keep)
-                if kept(k, v)
-                else v.astype(target)
-                if mx.issubdtype(v.dtype, mx.floating)
-                else v,
-            )
-            for k, v in weights.items()
-        ]
+
+
+def _compute_dtype(cfg: ModelConfig, dtypes: list[mx.Dtype]) -> mx.Dtype:
+    """The float dtype the model computes in when none is asked for: the commonest of its float
+    tensors' `dtypes` (scales, biases and kept product weights left out by the caller)."""
+    floats = [d for d in dtypes if mx.issubdtype(d, mx.floating)]
+    target = Counter(floats).most_common(1)[0][0] if floats else mx.float16
+    if target == mx.float32 and cfg.quantization and mx.default_device() != mx.cpu:
+        # a quantized model whose float tensors are float32 (a GGUF file's norms): on the
+        # GPU compute in float16 like mlx-lm's quantized models, not at twice the traffic
+        target = mx.float16
+    return target
+
+
+def _quantize(model: Model, cfg: ModelConfig, bits: int) -> None:
+    """Quantize the model's linear and embedding layers to `bits` (4 or 8) in place."""
+    if bits not in (4, 8):
+        raise ValueError("quantize must be 4 or 8 bits")
+    group = 64 if cfg.hidden_size % 64 == 0 else 32
+    nn.quantize(
+        model,
+        group_size=group,
+        bits=bits,
+        class_predicate=lambda p, m: (
+            isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % group == 0
+        ),
     )
-    if quantize:
-        if quantize not in (4, 8):
-            raise ValueError("quantize must be 4 or 8 bits")
-        group = 64 if cfg.hidden_size % 64 == 0 else 32
-        nn.quantize(
-            model,
-            group_size=group,
-            bits=quantize,
-            class_predicate=lambda p, m: (
-                isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % group == 0
-            ),
-        )
-        cfg.quantization = {"group_size": group, "bits": quantize}
-    mx.eval(model.parameters())
-    return model
+    cfg.quantization = {"group_size": group, "bits": bits}
 
 
 def quantization_config(model: Model) -> dict[str, Any] | None:
