@@ -154,6 +154,32 @@ def test_through_the_api_without_a_draft(tmp_path, monkeypatch):
     assert out.text == plain
 
 
+def test_through_the_server_with_the_openai_client(tmp_path, monkeypatch):
+    import httpx
+    from test_server import LiveServer
+
+    import ondevice
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    gen = ondevice.load(tiny.write_model(tmp_path / "v", layers=4, seed=5))
+    messages = [{"role": "user", "content": "hello there"}]
+    with LiveServer(gen) as server:
+        answers = []
+        for extra in ({"speculative": False}, {"method": "self"}):
+            r = server.client().chat.completions.create(
+                model=gen.model_name, messages=messages, max_tokens=16, temperature=0,
+                extra_body=extra,
+            )  # fmt: skip
+            answers.append(r.choices[0].message.content)
+            drafted = r.model_extra["ondevice"]["drafted"]
+        assert answers[0] == answers[1]
+        assert drafted > 0  # the request's method was used: no draft model, yet drafts
+        bad = {"model": gen.model_name, "messages": messages, "method": "selff"}
+        r = httpx.post(server.url + "/v1/chat/completions", json=bad, timeout=30)
+        assert r.status_code == 400 and "unknown method" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "method"
+
+
 # -- sampling: the joint law of the first two tokens (as tests/test_tree.py does) -------------------
 
 N_SAMPLES = 20_000
