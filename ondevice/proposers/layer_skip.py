@@ -7,9 +7,9 @@ loaded.
   layers it keeps.
 - `search_skip_set`: which layers to skip, found by measurement. Over one text (the first
   prompt the method sees and the verifier's own greedy continuation of it), the draft's greedy
-  token at every position is compared with the verifier's (teacher-forced agreement). Each
-  middle layer is dropped alone, then layers are dropped cumulatively, least harmful first;
-  each set is scored by the tokens per second a draft chain of that agreement would give over
+  token at each of its last positions is compared with the verifier's (teacher-forced
+  agreement). Each middle layer is dropped alone, then layers are dropped cumulatively,
+  least harmful first; each set is scored by the tokens per second a draft chain of that agreement would give over
   plain decoding, with the draft's cost the kept share of the verifier's weights and the
   verifier's measured pass costs (`runtime/pass_costs.py`). Deterministic: the same weights,
   text and cost profile give the same set. The result is cached as JSON beside the pass-cost
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 FORMAT = 1
 SEARCH_CONTEXT = 192  # tokens of the prompt's tail the search reads
 SEARCH_CONTINUATION = 24  # greedy tokens of the verifier appended to them
+SCORED = 96  # the last positions of that text where the draft's greedy token is compared
 MAX_CHAIN = 8  # the longest draft chain the score considers
 PATIENCE = 3  # cumulative drops that do not beat the best so far before the search stops
 
@@ -155,10 +156,13 @@ def predicted_speedup(agreement: float, fraction: float, verify: CostProfile | N
     return best
 
 
-def _greedy_rows(model: Model, tokens: Sequence[int]) -> np.ndarray:
-    """The model's greedy token after every prefix of `tokens` (one pass, no cache)."""
-    logits = model(mx.array([list(tokens)]))[0]
-    return np.array(mx.argmax(logits, axis=-1))
+def _greedy_rows(model: Model, tokens: Sequence[int], rows: int) -> np.ndarray:
+    """The model's greedy token after each of the last `rows` prefixes of `tokens` (one pass, no
+    cache; only those rows go through the output head, the pass's costliest part here)."""
+    _, h = model(mx.array([list(tokens)]), hidden=True)  # the logits are never evaluated
+    h = h[0, -rows:]
+    head = model.model.embed_tokens.as_linear if model.config.tie_word_embeddings else model.lm_head
+    return np.array(mx.argmax(head(h), axis=-1))
 
 
 def search_text(model: Model, prompt: Sequence[int]) -> list[int]:
@@ -183,12 +187,12 @@ def search_skip_set(
     if n < 2:
         raise ValueError("self-speculation needs a verifier with at least two layers")
     candidates = list(range(1, n - 1)) if n > 2 else [1]
-    start = min(4, len(text) - 1)  # the first positions say little: too short a context
-    ref = _greedy_rows(model, text)[start:]
+    rows = min(SCORED, len(text) - min(4, len(text) - 1))  # not the first few: too little context
+    ref = _greedy_rows(model, text, rows)
 
     def measure(skip: list[int]) -> tuple[float, float]:
         keep = [i for i in range(n) if i not in set(skip)]
-        agree = float(np.mean(_greedy_rows(LayerSkipView(model, keep), text)[start:] == ref))
+        agree = float(np.mean(_greedy_rows(LayerSkipView(model, keep), text, rows) == ref))
         return agree, predicted_speedup(agree, draft_fraction(model, skip), verify)
 
     tried: list[list] = []
