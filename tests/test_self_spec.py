@@ -206,3 +206,16 @@ def test_sampled_self_speculation_matches_the_verifier_distribution(tmp_path):
     assert drafted > N_SAMPLES and accepted > N_SAMPLES // 50
     exact = dict(np.ndenumerate(exact_joint(ver, PROMPT, params)))
     assert chi_square_p(counts, exact) > 0.001
+
+
+def test_doctor_prints_the_cached_skip_sets(tmp_path, monkeypatch):
+    from ondevice.apps import doctor
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    found = layer_skip.SkipSet([3, 5], 8, 0.61, 0.7, 1.1, 96, model="qwen2 64x8")
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "skip-abc-def.json").write_text(json.dumps(found.to_json()))
+    (tmp_path / "profiles" / "skip-bad-def.json").write_text("{")  # unreadable: left out
+    report = doctor.collect()
+    assert [s["skip"] for s in report["skip_sets"]] == [[3, 5]]
+    assert "self draft  qwen2 64x8: skips 2 of 8 layers [3, 5]" in doctor.render(report)

@@ -101,6 +101,7 @@ class SkipSet:
     tokens: int = 0
     tried: list[list] = field(default_factory=list)
     cost_profile: bool = True
+    model: str = ""  # which model, for people (architecture and sizes)
 
     @property
     def keep(self) -> list[int]:
@@ -121,7 +122,8 @@ class SkipSet:
 
     def describe(self) -> str:
         return (
-            f"skips {len(self.skip)} of {self.layers} layers {self.skip}: greedy agreement "
+            f"{self.model + ': ' if self.model else ''}skips {len(self.skip)} of {self.layers} "
+            f"layers {self.skip}: greedy agreement "
             f"{self.agreement:.3f} over {self.tokens} tokens, draft pass {self.draft_fraction:.2f}"
             f" of a verifier pass, predicted {self.speedup:.2f}x plain"
         )
@@ -216,9 +218,10 @@ def search_skip_set(
             if worse >= PATIENCE:
                 break
     assert best is not None
+    cfg = model.config
     return SkipSet(
         best[0], n, best[1], draft_fraction(model, best[0]), best[2], len(ref), tried,
-        verify is not None,
+        verify is not None, f"{cfg.model_type} {cfg.hidden_size}x{n}",
     )  # fmt: skip
 
 
