@@ -9,10 +9,11 @@ loaded.
   prompt the method sees and the verifier's own greedy continuation of it), the draft's greedy
   token at each of its last positions is compared with the verifier's (teacher-forced
   agreement). Each middle layer is dropped alone, then layers are dropped cumulatively,
-  least harmful first; each set is scored by the tokens per second a draft chain of that agreement would give over
-  plain decoding, with the draft's cost the kept share of the verifier's weights and the
-  verifier's measured pass costs (`runtime/pass_costs.py`). Deterministic: the same weights,
-  text and cost profile give the same set. The result is cached as JSON beside the pass-cost
+  least harmful first, until agreement falls below `MIN_AGREEMENT`; each set is scored by the
+  tokens per second a draft chain of that agreement would give over plain decoding, with the
+  draft's cost the kept share of the verifier's weights and the verifier's measured pass
+  costs (`runtime/pass_costs.py`). Deterministic: the same weights, text and cost profile give
+  the same set. The result is cached as JSON beside the pass-cost
   profiles (`cache_dir()/profiles/skip-*.json`), keyed by the weights and the device, so the
   search runs once per model; `ondevice doctor` lists what is cached (`cached_skip_sets`).
 - `SelfDraftProposer`: on its first `reset`, finds (or reads) the skip set, then drafts the
@@ -47,12 +48,14 @@ if TYPE_CHECKING:
     from ondevice.proposers.resources import Resources, Speculation
     from ondevice.rules.chooser import TokenChooser
 
-FORMAT = 1
+FORMAT = 2  # 2: the cumulative drops go on down to MIN_AGREEMENT
 SEARCH_CONTEXT = 192  # tokens of the prompt's tail the search reads
 SEARCH_CONTINUATION = 24  # greedy tokens of the verifier appended to them
 SCORED = 96  # the last positions of that text where the draft's greedy token is compared
 MAX_CHAIN = 8  # the longest draft chain the score considers
-PATIENCE = 3  # cumulative drops that do not beat the best so far before the search stops
+# the cumulative drops stop once agreement falls below this: the score is not monotone in the
+# layers dropped (agreement falls first, the cost later), so no earlier stop is safe
+MIN_AGREEMENT = 0.3
 
 
 class _Layers(nn.Module):
@@ -205,18 +208,15 @@ def search_skip_set(
     order = sorted(candidates, key=lambda i: (-alone[i][0], i))
     best: tuple[list[int], float, float] | None = None
     skip: list[int] = []
-    worse = 0
     for i in order:  # then cumulatively, least harmful first
         skip = sorted([*skip, i])
         agree, speed = alone[i] if len(skip) == 1 else measure(skip)
         if len(skip) > 1:
             tried.append([skip, agree, speed])
         if best is None or speed > best[2]:
-            best, worse = (skip, agree, speed), 0
-        else:
-            worse += 1
-            if worse >= PATIENCE:
-                break
+            best = (skip, agree, speed)
+        if agree < MIN_AGREEMENT:
+            break
     assert best is not None
     cfg = model.config
     return SkipSet(
