@@ -13,9 +13,9 @@ loaded.
   tokens per second a draft chain of that agreement would give over plain decoding, with the
   draft's cost the kept share of the verifier's weights and the verifier's measured pass
   costs (`runtime/pass_costs.py`). Deterministic: the same weights, text and cost profile give
-  the same set. The result is cached as JSON beside the pass-cost
-  profiles (`cache_dir()/profiles/skip-*.json`), keyed by the weights and the device, so the
-  search runs once per model; `ondevice doctor` lists what is cached (`cached_skip_sets`).
+  the same set. The result is cached as JSON beside the pass-cost profiles
+  (`cache_dir()/profiles/skip-*.json`), keyed by the weights and the device, so the search
+  runs once per model; `ondevice doctor` lists what is cached (`cached_skip_sets`).
 - `SelfDraftProposer`: on its first `reset`, finds (or reads) the skip set, then drafts the
   greedy path of the layer-skipped view with `DraftTreeProposer` (the draft machinery every
   draft model uses); the tree decoder verifies it losslessly, as it does every proposal.
