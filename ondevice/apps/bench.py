@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=["chain"],
         metavar="M,...",
         help="methods besides plain (always run): chain (default), pipeline (the chain with "
-        "drafting overlapped with verification), tree, pld, lookahead, cascade, auto",
+        "drafting overlapped with verification), tree, pld, lookahead, cascade, self, auto",
     )
     g.add_argument("--num-draft-tokens", type=int, metavar="K", help="fixed K (default: adaptive)")
     g.add_argument(

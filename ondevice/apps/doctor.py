@@ -75,6 +75,7 @@ def collect() -> dict[str, Any]:
         "kernel": _kernel(),
         "cache": _cache(),
         "draft_drift": _draft_drift(warnings),
+        "skip_sets": _skip_sets(),
     }
     report["warnings"] = warnings
     return report
@@ -352,6 +353,13 @@ def _tree_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _skip_sets() -> list[dict[str, Any]]:
+    """The layer skip sets method "self" found for each model (proposers/layer_skip.py)."""
+    from ondevice.proposers.layer_skip import cached_skip_sets
+
+    return [{"file": str(p), "summary": s.describe(), **s.to_json()} for p, s in cached_skip_sets()]
+
+
 # -- rendering ---------------------------------------------------------------------------------
 
 
@@ -396,6 +404,8 @@ def render(r: dict[str, Any]) -> str:
             lines.append(f"    {m['name']:<{width}}  {human(m['size_bytes']):>9}  {m['path']}")
     else:
         lines.append("  models      none cached (fetch the default with: ondevice pull)")
+    for s in r.get("skip_sets", []):
+        lines.append(f"  self draft  {s['summary']} ({Path(s['file']).name})")
     if cm["last_fallback"]:
         fb = cm["last_fallback"]
         lines.append(

@@ -239,6 +239,7 @@ class _Request(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     num_draft_tokens: int | None = Field(default=None, ge=1, le=64)
     speculative: bool = True
+    method: str = "chain"  # a name in the method registry (decoders/registry.py)
     # llama.cpp's extensions: a GBNF (or Lark) grammar, a JSON schema, prompt caching
     grammar: NonEmpty | None = None
     json_schema: dict[str, Any] | None = None
@@ -250,6 +251,15 @@ class _Request(BaseModel):
     @classmethod
     def _extensions(cls, data: Any) -> Any:
         return _from_extensions(data) if isinstance(data, dict) else data
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, value: str) -> str:
+        from ondevice.decoders.registry import METHODS
+
+        if value not in METHODS:
+            raise ValueError(f"unknown method {value!r}; choose one of {', '.join(METHODS)}")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

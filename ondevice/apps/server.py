@@ -353,6 +353,7 @@ class OpenAIServer:
             "grammar": grammar,
             "num_draft_tokens": req.num_draft_tokens,
             "speculative": req.speculative,
+            "method": req.method,
             "stop": stop,
             "chat_template": chat_template,
             "cache_prompt": req.cache_prompt,

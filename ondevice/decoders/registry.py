@@ -70,6 +70,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("cascade", "a draft chain whose own drafting is sped up by prompt lookup",
            "the draft chain's length", needs_draft=True, uses_draft=True,
            proposer="ondevice.proposers.cascade:build"),
+    Method("self", "self-speculation: the verifier drafts with a measured skip set of its own "
+           "layers, no draft model", "the draft path's longest length",
+           proposer="ondevice.proposers.layer_skip:build"),
     Method("auto", "picks per round among plain steps, pld and the draft's greedy path, tree and "
            "cascade (lookahead without a draft) by measured acceptance and pass costs",
            "each candidate's size", uses_draft=True, proposer="ondevice.proposers.auto:build"),

@@ -1,0 +1,377 @@
+"""Self-speculation by layer skipping: the draft is the verifier itself with some of its layers
+skipped (Draft & Verify, Zhang et al. 2023; SWIFT, Xia et al. 2024), so no second model is
+loaded.
+
+- `LayerSkipView`: a `Model` made of a subset of another model's layers. It holds the very
+  same modules (the same weight arrays: nothing is copied) and has its own KV cache, over the
+  layers it keeps.
+- `search_skip_set`: which layers to skip, found by measurement. Over one text (the first
+  prompt the method sees and the verifier's own greedy continuation of it), the draft's greedy
+  token at each of its last positions is compared with the verifier's (teacher-forced
+  agreement). Each middle layer is dropped alone, then layers are dropped cumulatively,
+  least harmful first, until agreement falls below `MIN_AGREEMENT`; each set is scored by the
+  tokens per second a draft chain of that agreement would give over plain decoding, with the
+  draft's cost the kept share of the verifier's weights and the verifier's measured pass
+  costs (`runtime/pass_costs.py`). Deterministic: the same weights, text and cost profile give
+  the same set. The result is cached as JSON beside the pass-cost profiles
+  (`cache_dir()/profiles/skip-*.json`), keyed by the weights and the device, so the search
+  runs once per model; `ondevice doctor` lists what is cached (`cached_skip_sets`).
+- `SelfDraftProposer`: on its first `reset`, finds (or reads) the skip set, then drafts the
+  greedy path of the layer-skipped view with `DraftTreeProposer` (the draft machinery every
+  draft model uses); the tree decoder verifies it losslessly, as it does every proposal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ondevice.models.transformer import Model
+from ondevice.proposers.base import Verification, cost_budget, cost_rate
+from ondevice.proposers.draft_tree import DraftState, DraftTreeProposer
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.token_tree import TokenTree
+from ondevice.runtime.engines import MLXEngine, innermost, tree_engine
+from ondevice.runtime.pass_costs import CostProfile, device_name, engine_key
+
+if TYPE_CHECKING:
+    from ondevice.proposers.resources import Resources, Speculation
+    from ondevice.rules.chooser import TokenChooser
+
+FORMAT = 2  # 2: the cumulative drops go on down to MIN_AGREEMENT
+SEARCH_CONTEXT = 192  # tokens of the prompt's tail the search reads
+SEARCH_CONTINUATION = 24  # greedy tokens of the verifier appended to them
+SCORED = 96  # the last positions of that text where the draft's greedy token is compared
+MAX_CHAIN = 8  # the longest draft chain the score considers
+# the cumulative drops stop once agreement falls below this: the score is not monotone in the
+# layers dropped (agreement falls first, the cost later), so no earlier stop is safe
+MIN_AGREEMENT = 0.3
+
+
+class _Layers(nn.Module):
+    """A backbone over a subset of another backbone's layers (the same modules)."""
+
+    def __init__(self, backbone: nn.Module, keep: Sequence[int]):
+        super().__init__()
+        self.embed_tokens = backbone.embed_tokens
+        self.layers = [backbone.layers[i] for i in keep]
+        self.norm = backbone.norm
+
+
+class LayerSkipView(Model):
+    """`model` with only the layers in `keep` (in order): the same modules and weight arrays,
+    its own cache over the kept layers (`make_cache`)."""
+
+    def __init__(self, model: Model, keep: Sequence[int]):
+        nn.Module.__init__(self)  # not Model.__init__: that would allocate new weights
+        self.keep = [int(i) for i in keep]
+        self.config = replace(model.config, num_hidden_layers=len(self.keep))
+        self.model = _Layers(model.model, self.keep)
+        if not model.config.tie_word_embeddings:
+            self.lm_head = model.lm_head
+
+
+# -- the search -----------------------------------------------------------------------------------
+
+
+@dataclass
+class SkipSet:
+    """The layers a self-draft skips, and what the search measured.
+
+    agreement: the share of positions where the draft's greedy token is the verifier's.
+    draft_fraction: a draft pass's cost as a share of a verifier pass (the kept share of the
+        weights read: the kept layers and the output head).
+    speedup: the predicted tokens per second over plain decoding of a draft chain with that
+        agreement (best chain length up to `MAX_CHAIN`; below 1: none pays). tried: [skip, agreement, speedup] of
+        every set measured, in order. tokens: positions compared.
+    """
+
+    skip: list[int]
+    layers: int
+    agreement: float
+    draft_fraction: float
+    speedup: float
+    tokens: int = 0
+    tried: list[list] = field(default_factory=list)
+    cost_profile: bool = True
+    model: str = ""  # which model, for people (architecture and sizes)
+
+    @property
+    def keep(self) -> list[int]:
+        return [i for i in range(self.layers) if i not in set(self.skip)]
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> SkipSet:
+        if d.get("format") != FORMAT:
+            raise ValueError("unknown skip-set format")
+        d = {k: v for k, v in d.items() if k != "format"}
+        s = cls(**d)
+        if not all(0 <= i < s.layers for i in s.skip) or len(s.skip) >= s.layers:
+            raise ValueError("malformed skip set")
+        return s
+
+    def describe(self) -> str:
+        return (
+            f"{self.model + ': ' if self.model else ''}skips {len(self.skip)} of {self.layers} "
+            f"layers {self.skip}: greedy agreement "
+            f"{self.agreement:.3f} over {self.tokens} tokens, draft pass {self.draft_fraction:.2f}"
+            f" of a verifier pass, predicted {self.speedup:.2f}x plain"
+        )
+
+
+def _size(module: nn.Module) -> int:
+    return sum(v.size for _, v in tree_flatten(module.parameters()) if isinstance(v, mx.array))
+
+
+def draft_fraction(model: Model, skip: Sequence[int]) -> float:
+    """A draft pass's cost as a share of a verifier pass: the share of weights it reads (the
+    layers it keeps and the output head; a pass over a few tokens is bound by reading them)."""
+    layers = [_size(layer) for layer in model.layers]
+    head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
+    h = _size(head)
+    kept = sum(s for i, s in enumerate(layers) if i not in set(skip))
+    return (kept + h) / (sum(layers) + h)
+
+
+def predicted_speedup(agreement: float, fraction: float, verify: CostProfile | None) -> float:
+    """Tokens per second of a draft chain over plain decoding's, at the best length up to
+    `MAX_CHAIN`: each drafted token accepted with probability `agreement` (independently), a
+    draft step costing `fraction` of a one-token verifier pass, the verification pass over k + 1
+    tokens costing what `verify` says (every pass alike without a profile). Below 1 where no
+    chain pays (the proposer then mostly makes plain steps: its rounds are sized by the costs)."""
+    one = float(verify(1)) if verify is not None else 1.0
+    best = 0.0
+    for k in range(1, MAX_CHAIN + 1):
+        tokens = sum(agreement**j for j in range(k + 1))
+        check = float(verify(k + 1)) if verify is not None else one
+        best = max(best, tokens * one / (k * fraction * one + check))
+    return best
+
+
+def _greedy_rows(model: Model, tokens: Sequence[int], rows: int) -> np.ndarray:
+    """The model's greedy token after each of the last `rows` prefixes of `tokens` (one pass, no
+    cache; only those rows go through the output head, the pass's costliest part here)."""
+    _, h = model(mx.array([list(tokens)]), hidden=True)  # the logits are never evaluated
+    h = h[0, -rows:]
+    head = model.model.embed_tokens.as_linear if model.config.tie_word_embeddings else model.lm_head
+    return np.array(mx.argmax(head(h), axis=-1))
+
+
+def search_text(model: Model, prompt: Sequence[int]) -> list[int]:
+    """The text the search compares on: the prompt's tail and the verifier's greedy
+    continuation of it (what a draft meets while decoding)."""
+    text = [int(t) for t in prompt[-SEARCH_CONTEXT:]]
+    engine = MLXEngine(model)
+    logits = engine.feed(text, last_only=True)
+    for _ in range(SEARCH_CONTINUATION):
+        text.append(int(np.argmax(logits)))
+        logits = engine.feed(text[-1:], last_only=True)
+    return text
+
+
+def search_skip_set(
+    model: Model, text: Sequence[int], verify: CostProfile | None = None
+) -> SkipSet:
+    """Which layers to skip (see the module's docstring). Candidates are the middle layers
+    (the first and the last are always kept; with two layers, the second is the candidate); at
+    least one layer is skipped."""
+    n = len(model.layers)
+    if n < 2:
+        raise ValueError("self-speculation needs a verifier with at least two layers")
+    candidates = list(range(1, n - 1)) if n > 2 else [1]
+    rows = min(SCORED, len(text) - min(4, len(text) - 1))  # not the first few: too little context
+    ref = _greedy_rows(model, text, rows)
+
+    def measure(skip: list[int]) -> tuple[float, float]:
+        keep = [i for i in range(n) if i not in set(skip)]
+        agree = float(np.mean(_greedy_rows(LayerSkipView(model, keep), text, rows) == ref))
+        return agree, predicted_speedup(agree, draft_fraction(model, skip), verify)
+
+    tried: list[list] = []
+    alone = {}
+    for i in candidates:  # each layer dropped alone: how much it matters
+        alone[i] = measure([i])
+        tried.append([[i], *alone[i]])
+    order = sorted(candidates, key=lambda i: (-alone[i][0], i))
+    best: tuple[list[int], float, float] | None = None
+    skip: list[int] = []
+    for i in order:  # then cumulatively, least harmful first
+        skip = sorted([*skip, i])
+        agree, speed = alone[i] if len(skip) == 1 else measure(skip)
+        if len(skip) > 1:
+            tried.append([skip, agree, speed])
+        if best is None or speed > best[2]:
+            best = (skip, agree, speed)
+        if agree < MIN_AGREEMENT:
+            break
+    assert best is not None
+    cfg = model.config
+    return SkipSet(
+        best[0], n, best[1], draft_fraction(model, best[0]), best[2], len(ref), tried,
+        verify is not None, f"{cfg.model_type} {cfg.hidden_size}x{n}",
+    )  # fmt: skip
+
+
+# -- the cache ------------------------------------------------------------------------------------
+
+
+def weights_fingerprint(model: Model) -> str:
+    """What identifies a model's weights cheaply: its shapes and dtype (`engine_key`) and the
+    values of its norms and first embedding rows (a fine-tune changes them)."""
+    h = hashlib.sha256(engine_key(MLXEngine(model)).encode())
+    arrays = [model.model.embed_tokens.weight[:4], model.model.norm.weight]
+    for layer in model.layers:
+        arrays += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    for a in arrays:
+        h.update(np.array(a.astype(mx.float32)).tobytes())
+    return h.hexdigest()[:16]
+
+
+def skip_set_path(model: Model) -> Path:
+    from ondevice.sources.hub import cache_dir
+
+    dev = hashlib.sha256(device_name().encode()).hexdigest()[:12]
+    return cache_dir() / "profiles" / f"skip-{weights_fingerprint(model)}-{dev}.json"
+
+
+_MEMORY: dict[tuple[str, bool], SkipSet] = {}  # (fingerprint, costs profiled) -> this process's
+
+
+def load_skip_set(
+    model: Model, prompt: Sequence[int], verify: CostProfile | None, *, cache: bool = True
+) -> SkipSet:
+    """The cached skip set of `model` on this device, or a search's over `prompt` (printing one
+    line: it takes a while on a large model) saved for next time. Without `cache` (unprofiled
+    costs) nothing is read from or written to disk; within a process the result is reused."""
+    key = (weights_fingerprint(model), cache)
+    if key in _MEMORY:
+        return _MEMORY[key]
+    path = skip_set_path(model) if cache else None
+    found = None
+    if path is not None and path.exists():
+        try:
+            found = SkipSet.from_json(json.loads(path.read_text()))
+            if found.layers != len(model.layers):
+                found = None
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+            found = None  # unreadable or old: search again
+    if found is None:
+        if path is not None:
+            print(
+                "ondevice: finding which layers method 'self' skips for this model (first use; "
+                f"cached in {path.parent})...",
+                file=sys.stderr,
+                flush=True,
+            )
+        found = search_skip_set(model, search_text(model, prompt), verify)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(found.to_json(), indent=1))
+            tmp.replace(path)  # atomic: a crash never leaves half a file
+    _MEMORY[key] = found
+    return found
+
+
+def cached_skip_sets() -> list[tuple[Path, SkipSet]]:
+    """Every skip set cached on this machine (for `ondevice doctor`)."""
+    from ondevice.sources.hub import cache_dir
+
+    out = []
+    for path in sorted((cache_dir() / "profiles").glob("skip-*.json")):
+        try:
+            out.append((path, SkipSet.from_json(json.loads(path.read_text()))))
+        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
+            continue
+    return out
+
+
+# -- the proposer ---------------------------------------------------------------------------------
+
+
+def scaled_profile(verify: CostProfile, fraction: float) -> CostProfile:
+    """A draft pass's cost: `fraction` of the verifier's for the same number of tokens."""
+    return replace(verify, seconds=[s * fraction for s in verify.seconds], model="")
+
+
+class SelfDraftProposer:
+    """Drafts with the verifier's own layers, a skip set of them left out (see the module).
+
+    The skip set is found (or read from the cache) at the first `reset`, from its prompt; from
+    then on the greedy path of the layer-skipped view is grown by a `DraftTreeProposer` (one
+    child per level, as deep as the cost profiles say pays, up to `depth`)."""
+
+    name = "self"
+
+    def __init__(
+        self,
+        model: Model,
+        vocab: int,
+        chooser: TokenChooser,
+        verify: CostProfile | None,
+        *,
+        depth: int = 8,
+        cache: bool = True,
+    ):
+        self.model, self.vocab, self.chooser = model, vocab, chooser
+        self.verify, self.depth, self.cache = verify, depth, cache
+        self.skip_set: SkipSet | None = None
+        self.draft: DraftTreeProposer | None = None
+
+    def _build(self, prompt: Sequence[int]) -> DraftTreeProposer:
+        self.skip_set = load_skip_set(self.model, prompt, self.verify, cache=self.cache)
+        view = LayerSkipView(self.model, self.skip_set.keep)
+        cost = None
+        if self.verify is not None:
+            cost = scaled_profile(self.verify, self.skip_set.draft_fraction)
+        state = DraftState(tree_engine(MLXEngine(view)), self.vocab, cost)
+        fixed = float(cost(1)) if cost is not None else 0.0  # the catch-up pass, once a round
+        return DraftTreeProposer(
+            state, self.vocab, self.chooser, mode="dynamic", depth=self.depth, topk=1,
+            budget=cost_budget(self.verify, fixed), expand_cost=fixed,
+            rate=cost_rate(self.verify, fixed), name="self",
+        )  # fmt: skip
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        if self.draft is None:
+            self.draft = self._build(prompt)
+        self.draft.reset(prompt)
+
+    def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
+        assert self.draft is not None, "reset() first"
+        return self.draft.propose(seq, max_depth, noise)
+
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
+        assert self.draft is not None
+        self.draft.observe(seq, tree, verdict)
+
+
+def build(res: Resources, spec: Speculation) -> SelfDraftProposer:
+    """The "self" method: the verifier's greedy path with a measured skip set of its layers
+    (num_draft_tokens: the path's longest length, default 8); no draft model is used."""
+    from ondevice.errors import OndeviceError
+
+    model = getattr(innermost(res.verifier), "model", None)
+    if not isinstance(model, Model):
+        raise OndeviceError(
+            "method 'self' drafts with the verifier's own layers and needs an MLX verifier."
+        )
+    if len(model.layers) < 2:
+        raise OndeviceError("method 'self' needs a verifier with at least two layers.")
+    return SelfDraftProposer(
+        model, res.vocab, res.chooser, res.verify_cost, depth=spec.num_draft_tokens or 8,
+        cache=res.verify_cost is not None,
+    )  # fmt: skip

@@ -1,0 +1,221 @@
+"""Self-speculation by layer skipping (method "self", `ondevice/proposers/layer_skip.py`): the
+draft is a view of the verifier (the same weight arrays), its output is the verifier's, and the
+skip set is searched once per model and then read from the cache."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+from support.engines import MemoEngine
+from support.stats import chi_square_p, exact_joint
+
+from ondevice.decoders.factory import make_decoder
+from ondevice.models import load_model
+from ondevice.proposers import layer_skip
+from ondevice.proposers.resources import Speculation
+from ondevice.rules.sampling import SamplingParams
+from ondevice.runtime.engines import MLXEngine
+from ondevice.runtime.pass_costs import SIZES, CostProfile, device_name, engine_key, profile_path
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """An empty cache (so the search runs here) with a fixed verifier cost profile written per
+    model by `_profiled`: the search's score must not depend on the machine's load."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ONDEVICE_HOME", str(tmp_path_factory.mktemp("home")))
+    yield
+    mp.undo()
+
+
+def _profiled(model) -> None:
+    path = profile_path(device_name(), engine_key(MLXEngine(model)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof = CostProfile(list(SIZES), [1.0 + 0.02 * n for n in SIZES])
+    path.write_text(json.dumps(prof.to_json()))
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request, tmp_path_factory, home):
+    arch = request.param
+    tie = arch == "qwen2"  # one tied head among them
+    path = tiny.write_model(
+        tmp_path_factory.mktemp(arch) / "v", seed=3, layers=LAYERS, scale=1.0, arch=arch, tie=tie
+    )
+    m = load_model(path).model
+    _profiled(m)
+    return m
+
+
+def _plain_greedy(model, prompt, n):
+    e = MLXEngine(model)
+    out, logits = [], e.feed(prompt, last_only=True)
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = e.feed(out[-1:], last_only=True)
+    return out
+
+
+def _prompts():
+    rng = np.random.default_rng(1)
+    return [rng.integers(5, 96, n).tolist() for n in (6, 12, 20)]
+
+
+def test_greedy_output_is_the_verifiers_on_every_architecture(model):
+    accepted = 0
+    for k in (None, 3):
+        for prompt in _prompts():
+            dec = make_decoder(
+                MLXEngine(model), None, SamplingParams(), Speculation(method="self",
+                num_draft_tokens=k), seed=0,
+            )  # fmt: skip
+            got = [t for r in dec.run(prompt, 32) for t in r.tokens]
+            assert got == _plain_greedy(model, prompt, 32), (k, prompt)
+            accepted += dec.stats.accepted
+    assert accepted > 0  # the layer-skipped draft was right at times: it did speculate
+
+
+def test_the_draft_shares_the_verifiers_weight_arrays(model):
+    skip = layer_skip.load_skip_set(model, _prompts()[0], None, cache=False)
+    assert skip.skip and 0 not in skip.skip and len(skip.keep) + len(skip.skip) == LAYERS
+    view = layer_skip.LayerSkipView(model, skip.keep)
+    mine = {id(v) for _, v in tree_flatten(model.parameters())}
+    theirs = [v for _, v in tree_flatten(view.parameters())]
+    assert theirs and all(id(v) in mine for v in theirs)  # not one array of its own
+    for j, i in enumerate(skip.keep):
+        assert view.layers[j].mlp.down_proj.weight is model.layers[i].mlp.down_proj.weight
+    assert len(view.make_cache()) == len(skip.keep)  # its own cache, over the kept layers
+    # the view is exactly the verifier run without the skipped layers
+    toks = mx.array([_prompts()[1]])
+    h = model.model.embed_tokens(toks)
+    for i in skip.keep:
+        h = model.layers[i](h, "causal", None, None)
+    h = model.model.norm(h)
+    head = model.model.embed_tokens.as_linear if model.config.tie_word_embeddings else model.lm_head
+    assert mx.allclose(view(toks), head(h), atol=1e-5)
+
+
+def test_the_search_is_cached_and_reused(model, monkeypatch):
+    layer_skip._MEMORY.clear()
+    path = layer_skip.skip_set_path(model)
+    path.unlink(missing_ok=True)
+    dec = make_decoder(MLXEngine(model), None, SamplingParams(), Speculation(method="self"))
+    list(dec.run(_prompts()[2], 4))
+    assert path.exists()
+    saved = layer_skip.SkipSet.from_json(json.loads(path.read_text()))
+    assert saved.tried and saved.cost_profile and saved.speedup > 0
+    # deterministic: searching again over the same text gives the same set
+    text = layer_skip.search_text(model, _prompts()[2])
+    verify = CostProfile(list(SIZES), [1.0 + 0.02 * n for n in SIZES])
+    assert layer_skip.search_skip_set(model, text, verify).to_json() == saved.to_json()
+
+    def no_search(*a, **k):
+        raise AssertionError("searched again")
+
+    monkeypatch.setattr(layer_skip, "search_skip_set", no_search)
+    layer_skip._MEMORY.clear()  # a new process: only the file remains
+    for prompt in _prompts():  # other prompts: the cached set, not a new search
+        dec = make_decoder(MLXEngine(model), None, SamplingParams(), Speculation(method="self"))
+        got = [t for r in dec.run(prompt, 16) for t in r.tokens]
+        assert got == _plain_greedy(model, prompt, 16)
+    assert any(p == path for p, _ in layer_skip.cached_skip_sets())
+    # an unreadable file is searched again, not trusted
+    path.write_text("{")
+    layer_skip._MEMORY.clear()
+    with pytest.raises(AssertionError, match="searched again"):
+        layer_skip.load_skip_set(model, _prompts()[0], verify)
+
+
+def test_a_verifier_too_shallow_is_refused_clearly(tmp_path):
+    from ondevice.errors import OndeviceError
+
+    m = load_model(tiny.write_model(tmp_path / "v", layers=1)).model
+    with pytest.raises(OndeviceError, match="at least two layers"):
+        make_decoder(MLXEngine(m), None, SamplingParams(), Speculation(method="self"))
+
+
+def test_through_the_api_without_a_draft(tmp_path, monkeypatch):
+    import ondevice
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    gen = ondevice.load(tiny.write_model(tmp_path / "v", layers=4, seed=5))
+    assert gen.draft is None
+    plain = gen.generate("hello there", max_tokens=20, speculative=False).text
+    out = gen.generate("hello there", max_tokens=20, method="self")
+    assert out.text == plain
+
+
+def test_through_the_server_with_the_openai_client(tmp_path, monkeypatch):
+    import httpx
+    from test_server import LiveServer
+
+    import ondevice
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    gen = ondevice.load(tiny.write_model(tmp_path / "v", layers=4, seed=5))
+    messages = [{"role": "user", "content": "hello there"}]
+    with LiveServer(gen) as server:
+        answers = []
+        for extra in ({"speculative": False}, {"method": "self"}):
+            r = server.client().chat.completions.create(
+                model=gen.model_name, messages=messages, max_tokens=16, temperature=0,
+                extra_body=extra,
+            )  # fmt: skip
+            answers.append(r.choices[0].message.content)
+            drafted = r.model_extra["ondevice"]["drafted"]
+        assert answers[0] == answers[1]
+        assert drafted > 0  # the request's method was used: no draft model, yet drafts
+        bad = {"model": gen.model_name, "messages": messages, "method": "selff"}
+        r = httpx.post(server.url + "/v1/chat/completions", json=bad, timeout=30)
+        assert r.status_code == 400 and "unknown method" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "method"
+
+
+# -- sampling: the joint law of the first two tokens (as tests/test_tree.py does) -------------------
+
+N_SAMPLES = 20_000
+PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]
+
+
+@pytest.mark.slow
+def test_sampled_self_speculation_matches_the_verifier_distribution(tmp_path):
+    cfg = {**tiny.SMALL_VOCAB, "layers": 3}
+    ver = MemoEngine(load_model(tiny.write_model(tmp_path / "v", scale=0.6, **cfg)).model)
+    params = SamplingParams(1.0)
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(N_SAMPLES):
+        spec = Speculation(method="self", num_draft_tokens=3, profile=False)
+        dec = make_decoder(ver, None, params, spec, seed=seed)
+        toks: list[int] = []
+        for r in dec.run(PROMPT, 3):
+            toks.extend(r.tokens)
+            if len(toks) >= 2:
+                break
+        counts[tuple(toks[:2])] += 1
+        drafted, accepted = drafted + dec.stats.drafted, accepted + dec.stats.accepted
+    assert drafted > N_SAMPLES and accepted > N_SAMPLES // 50
+    exact = dict(np.ndenumerate(exact_joint(ver, PROMPT, params)))
+    assert chi_square_p(counts, exact) > 0.001
+
+
+def test_doctor_prints_the_cached_skip_sets(tmp_path, monkeypatch):
+    from ondevice.apps import doctor
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    found = layer_skip.SkipSet([3, 5], 8, 0.61, 0.7, 1.1, 96, model="qwen2 64x8")
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "skip-abc-def.json").write_text(json.dumps(found.to_json()))
+    (tmp_path / "profiles" / "skip-bad-def.json").write_text("{")  # unreadable: left out
+    report = doctor.collect()
+    assert [s["skip"] for s in report["skip_sets"]] == [[3, 5]]
+    assert "self draft  qwen2 64x8: skips 2 of 8 layers [3, 5]" in doctor.render(report)
