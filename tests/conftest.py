@@ -1,10 +1,19 @@
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite never writes into the user's own cache (cost profiles, skip sets, probe
+    verdicts): unless the caller chose an ONDEVICE_HOME, it gets a fresh one for the run."""
+    if "ONDEVICE_HOME" not in os.environ:
+        os.environ["ONDEVICE_HOME"] = tempfile.mkdtemp(prefix="ondevice-tests-home-")
 
 
 @pytest.fixture

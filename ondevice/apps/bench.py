@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ondevice.apps import options
+from ondevice.decoders.registry import METHODS
 
 HELP = "benchmark speculative decoding against plain decoding (and mlx-lm)"
 DESCRIPTION = (
@@ -49,8 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=_csv,
         default=["chain"],
         metavar="M,...",
-        help="methods besides plain (always run): chain (default), pipeline (the chain with "
-        "drafting overlapped with verification), tree, pld, lookahead, cascade, self, auto",
+        help="methods besides plain (always run): "
+        + ", ".join(METHODS)
+        + " (default: chain), or pipeline (the chain with drafting overlapped with verification)",
     )
     g.add_argument("--num-draft-tokens", type=int, metavar="K", help="fixed K (default: adaptive)")
     g.add_argument(
