@@ -20,6 +20,7 @@ from ondevice.models import load_model
 from ondevice.proposers import layer_skip
 from ondevice.proposers.resources import Speculation
 from ondevice.rules.sampling import SamplingParams
+from ondevice.runtime import pass_costs
 from ondevice.runtime.engines import MLXEngine
 from ondevice.runtime.pass_costs import SIZES, CostProfile, device_name, engine_key, profile_path
 
@@ -127,7 +128,7 @@ def test_the_search_is_cached_and_reused(model, monkeypatch):
         dec = make_decoder(MLXEngine(model), None, SamplingParams(), Speculation(method="self"))
         got = [t for r in dec.run(prompt, 16) for t in r.tokens]
         assert got == _plain_greedy(model, prompt, 16)
-    assert any(p == path for p, _ in layer_skip.cached_skip_sets())
+    assert any(p == path for p, _ in pass_costs.cached_skip_sets())
     # an unreadable file is searched again, not trusted
     path.write_text("{")
     layer_skip._MEMORY.clear()

@@ -355,7 +355,7 @@ def _tree_size(path: Path) -> int:
 
 def _skip_sets() -> list[dict[str, Any]]:
     """The layer skip sets method "self" found for each model (proposers/layer_skip.py)."""
-    from ondevice.proposers.layer_skip import cached_skip_sets
+    from ondevice.runtime.pass_costs import cached_skip_sets
 
     return [{"file": str(p), "summary": s.describe(), **s.to_json()} for p, s in cached_skip_sets()]
 

@@ -15,7 +15,7 @@ loaded.
   costs (`runtime/pass_costs.py`). Deterministic: the same weights, text and cost profile give
   the same set. The result is cached as JSON beside the pass-cost profiles
   (`cache_dir()/profiles/skip-*.json`), keyed by the weights and the device, so the search
-  runs once per model; `ondevice doctor` lists what is cached (`cached_skip_sets`).
+  runs once per model; `ondevice doctor` lists what is cached (`pass_costs.cached_skip_sets`).
 - `SelfDraftProposer`: on its first `reset`, finds (or reads) the skip set, then drafts the
   greedy path of the layer-skipped view with `DraftTreeProposer` (the draft machinery every
   draft model uses); the tree decoder verifies it losslessly, as it does every proposal.
@@ -27,7 +27,7 @@ import hashlib
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,13 +42,12 @@ from ondevice.proposers.draft_tree import DraftState, DraftTreeProposer
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.engines import MLXEngine, innermost, tree_engine
-from ondevice.runtime.pass_costs import CostProfile, device_name, engine_key
+from ondevice.runtime.pass_costs import CostProfile, SkipSet, device_name, engine_key
 
 if TYPE_CHECKING:
     from ondevice.proposers.resources import Resources, Speculation
     from ondevice.rules.chooser import TokenChooser
 
-FORMAT = 2  # 2: the cumulative drops go on down to MIN_AGREEMENT
 SEARCH_CONTEXT = 192  # tokens of the prompt's tail the search reads
 SEARCH_CONTINUATION = 24  # greedy tokens of the verifier appended to them
 SCORED = 96  # the last positions of that text where the draft's greedy token is compared
@@ -82,54 +81,6 @@ class LayerSkipView(Model):
 
 
 # -- the search -----------------------------------------------------------------------------------
-
-
-@dataclass
-class SkipSet:
-    """The layers a self-draft skips, and what the search measured.
-
-    agreement: the share of positions where the draft's greedy token is the verifier's.
-    draft_fraction: a draft pass's cost as a share of a verifier pass (the kept share of the
-        weights read: the kept layers and the output head).
-    speedup: the predicted tokens per second over plain decoding of a draft chain with that
-        agreement (best chain length up to `MAX_CHAIN`; below 1: none pays). tried: [skip, agreement, speedup] of
-        every set measured, in order. tokens: positions compared.
-    """
-
-    skip: list[int]
-    layers: int
-    agreement: float
-    draft_fraction: float
-    speedup: float
-    tokens: int = 0
-    tried: list[list] = field(default_factory=list)
-    cost_profile: bool = True
-    model: str = ""  # which model, for people (architecture and sizes)
-
-    @property
-    def keep(self) -> list[int]:
-        return [i for i in range(self.layers) if i not in set(self.skip)]
-
-    def to_json(self) -> dict:
-        return {"format": FORMAT, **asdict(self)}
-
-    @classmethod
-    def from_json(cls, d: dict) -> SkipSet:
-        if d.get("format") != FORMAT:
-            raise ValueError("unknown skip-set format")
-        d = {k: v for k, v in d.items() if k != "format"}
-        s = cls(**d)
-        if not all(0 <= i < s.layers for i in s.skip) or len(s.skip) >= s.layers:
-            raise ValueError("malformed skip set")
-        return s
-
-    def describe(self) -> str:
-        return (
-            f"{self.model + ': ' if self.model else ''}skips {len(self.skip)} of {self.layers} "
-            f"layers {self.skip}: greedy agreement "
-            f"{self.agreement:.3f} over {self.tokens} tokens, draft pass {self.draft_fraction:.2f}"
-            f" of a verifier pass, predicted {self.speedup:.2f}x plain"
-        )
 
 
 def _size(module: nn.Module) -> int:
@@ -284,19 +235,6 @@ def load_skip_set(
             tmp.replace(path)  # atomic: a crash never leaves half a file
     _MEMORY[key] = found
     return found
-
-
-def cached_skip_sets() -> list[tuple[Path, SkipSet]]:
-    """Every skip set cached on this machine (for `ondevice doctor`)."""
-    from ondevice.sources.hub import cache_dir
-
-    out = []
-    for path in sorted((cache_dir() / "profiles").glob("skip-*.json")):
-        try:
-            out.append((path, SkipSet.from_json(json.loads(path.read_text()))))
-        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
-            continue
-    return out
 
 
 # -- the proposer ---------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 
 import numpy as np
@@ -224,3 +224,69 @@ def best_size(
 ) -> int:
     """The n of `best_rate`."""
     return best_rate(values, verify, fixed, per_node)[0]
+
+
+# -- skip sets (method "self", `proposers/layer_skip.py`), cached beside the pass costs ----------
+
+SKIP_SET_FORMAT = 2  # 2: the search's cumulative drops go on down to its minimum agreement
+
+
+@dataclass
+class SkipSet:
+    """The layers a self-draft skips, and what the search measured.
+
+    agreement: the share of positions where the draft's greedy token is the verifier's.
+    draft_fraction: a draft pass's cost as a share of a verifier pass (the kept share of the
+        weights read: the kept layers and the output head).
+    speedup: the predicted tokens per second over plain decoding of a draft chain with that
+        agreement (the best chain length the search tried; below 1: none pays). tried: [skip, agreement, speedup] of
+        every set measured, in order. tokens: positions compared.
+    """
+
+    skip: list[int]
+    layers: int
+    agreement: float
+    draft_fraction: float
+    speedup: float
+    tokens: int = 0
+    tried: list[list] = field(default_factory=list)
+    cost_profile: bool = True
+    model: str = ""  # which model, for people (architecture and sizes)
+
+    @property
+    def keep(self) -> list[int]:
+        return [i for i in range(self.layers) if i not in set(self.skip)]
+
+    def to_json(self) -> dict:
+        return {"format": SKIP_SET_FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> SkipSet:
+        if d.get("format") != SKIP_SET_FORMAT:
+            raise ValueError("unknown skip-set format")
+        d = {k: v for k, v in d.items() if k != "format"}
+        s = cls(**d)
+        if not all(0 <= i < s.layers for i in s.skip) or len(s.skip) >= s.layers:
+            raise ValueError("malformed skip set")
+        return s
+
+    def describe(self) -> str:
+        return (
+            f"{self.model + ': ' if self.model else ''}skips {len(self.skip)} of {self.layers} "
+            f"layers {self.skip}: greedy agreement "
+            f"{self.agreement:.3f} over {self.tokens} tokens, draft pass {self.draft_fraction:.2f}"
+            f" of a verifier pass, predicted {self.speedup:.2f}x plain"
+        )
+
+
+def cached_skip_sets() -> list[tuple[Path, SkipSet]]:
+    """Every skip set cached on this machine (for `ondevice doctor`)."""
+    from ondevice.sources.hub import cache_dir
+
+    out = []
+    for path in sorted((cache_dir() / "profiles").glob("skip-*.json")):
+        try:
+            out.append((path, SkipSet.from_json(json.loads(path.read_text()))))
+        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
+            continue
+    return out
