@@ -42,7 +42,14 @@ from ondevice.proposers.draft_tree import DraftState, DraftTreeProposer
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.engines import MLXEngine, innermost, tree_engine
-from ondevice.runtime.pass_costs import CostProfile, SkipSet, device_name, engine_key
+from ondevice.runtime.pass_costs import (
+    CostProfile,
+    SkipSet,
+    device_name,
+    engine_key,
+    profile_path,
+    save_profile,
+)
 
 if TYPE_CHECKING:
     from ondevice.proposers.resources import Resources, Speculation
@@ -192,10 +199,7 @@ def weights_fingerprint(model: Model) -> str:
 
 
 def skip_set_path(model: Model) -> Path:
-    from ondevice.sources.hub import cache_dir
-
-    dev = hashlib.sha256(device_name().encode()).hexdigest()[:12]
-    return cache_dir() / "profiles" / f"skip-{weights_fingerprint(model)}-{dev}.json"
+    return profile_path(device_name(), f"skip-{weights_fingerprint(model)}")
 
 
 _MEMORY: dict[tuple[str, bool], SkipSet] = {}  # (fingerprint, costs profiled) -> this process's
@@ -229,10 +233,7 @@ def load_skip_set(
             )
         found = search_skip_set(model, search_text(model, prompt), verify)
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(found.to_json(), indent=1))
-            tmp.replace(path)  # atomic: a crash never leaves half a file
+            save_profile(path, found.to_json())
     _MEMORY[key] = found
     return found
 

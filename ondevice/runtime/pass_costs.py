@@ -196,11 +196,16 @@ def load_profile(
     if not measure_if_missing:
         return None
     prof = measure(engine, sizes)
+    save_profile(path, prof.to_json())
+    return prof
+
+
+def save_profile(path: Path, doc: dict) -> None:
+    """Write a cached profile (pass costs, skip set) whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(prof.to_json(), indent=1))
+    tmp.write_text(json.dumps(doc, indent=1))
     tmp.replace(path)  # atomic: a crash never leaves half a profile
-    return prof
 
 
 def best_rate(
