@@ -40,6 +40,7 @@ import numpy as np
 from ondevice.errors import OndeviceError
 from ondevice.models.transformer import Model, _head_rows
 from ondevice.proposers.base import BudgetFn, Unavailable, Verification, cost_budget
+from ondevice.proposers.draft_tree import top_tokens
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.engines import innermost
@@ -233,7 +234,7 @@ class MedusaProposer:
         if self.state is None or depth < 1:
             return tree
         probs = self.head_probs(self.state)[:depth]
-        top = np.argsort(-probs, axis=-1, kind="stable")[:, : self.width]
+        top = np.stack([top_tokens(p, self.width) for p in probs])
         # heads may be over- or underconfident: scaled either way, a value stays <= 1
         calib = self.realised / self.predicted
         # best first: a node's key never exceeds its parent's or its elder sibling's, so nodes
