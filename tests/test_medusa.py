@@ -174,3 +174,33 @@ def test_cli_distill_heads(verifier, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "held-out greedy agreement per head" in r.stdout
     assert json.loads((out / META).read_text())["num_heads"] == 2
+
+
+def test_the_tree_holds_the_best_paths_by_the_product_of_head_probabilities(verifier, heads):
+    from ondevice.proposers.base import Verification, fixed_budget
+    from ondevice.proposers.medusa import MedusaProposer
+    from ondevice.rules.noise import PositionNoise
+
+    model = load_model(verifier).model
+    loaded, info = load_heads(heads, model)
+    prop = MedusaProposer(model, loaded, info, depth=2, budget=fixed_budget(5))
+    table = np.zeros((3, 96))
+    table[0, [10, 11, 12, 13]] = [0.5, 0.3, 0.15, 0.05]  # head 1
+    table[1, [20, 21, 22]] = [0.7, 0.25, 0.05]  # head 2
+    prop.head_probs = lambda state: table  # type: ignore[method-assign]
+    prop.reset([1, 2])
+    assert prop.propose([1, 2], 4, PositionNoise(0)).size == 0  # no state yet: a plain step
+    prop.state = np.zeros(model.config.hidden_size, np.float32)
+    tree = prop.propose([1, 2], 4, PositionNoise(0))
+    # by value: 10 (.5), 10-20 (.35), 11 (.3), 11-20 (.21), 12 (.15); then 10-21 (.125) ...
+    paths = sorted(tuple(tree.path_tokens(n)) for n in range(1, len(tree)))
+    assert paths == [(10,), (10, 20), (11,), (11, 20), (12,)]
+    assert all(d is None for draws in tree.draws for _, d in draws)  # deterministic draws
+    # a verification that accepts 10, 20 teaches the calibration and hands over the state
+    path = [tree.children[tree.children[0][10]][20]]
+    path.insert(0, tree.parents[path[0]])
+    hidden = np.ones((len(tree), model.config.hidden_size), np.float32)
+    prop.observe([1, 2], tree, Verification(path, 5, np.zeros(len(tree), int), hidden))
+    assert np.array_equal(prop.state, hidden[path[-1]])
+    assert prop.realised[1] == prop.realised[2] == 2
+    assert prop.predicted[1] == pytest.approx(1 + 0.95) and prop.predicted[2] == pytest.approx(1.56)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -239,10 +240,9 @@ class MedusaProposer:
         calib = self.realised / self.predicted
         # best first: a node's key never exceeds its parent's or its elder sibling's, so nodes
         # pop in the order of their values and every node's parent pops before it
-        heap: list[
-            tuple[float, int, int, int, int, float]
-        ] = []  # -key, order, parent, d, rank, raw
+        heap: list[tuple[float, int, int, int, int, float]] = []  # -key, n, parent, d, rank, raw
         nodes: list[tuple[int, int, float, float]] = []  # (parent, token, raw, value)
+        order = itertools.count()  # ties: first pushed, first popped
 
         def push(parent: int, d: int, rank: int) -> None:
             if d > depth or rank >= top.shape[1]:
@@ -250,7 +250,7 @@ class MedusaProposer:
             raw_parent, key_parent = nodes[parent - 1][2:] if parent else (1.0, 1.0)
             raw = raw_parent * float(probs[d - 1, top[d - 1, rank]])
             key = min(key_parent, raw * float(calib[d]))
-            heapq.heappush(heap, (-key, len(heap) + len(nodes), parent, d, rank, raw))
+            heapq.heappush(heap, (-key, next(order), parent, d, rank, raw))
 
         push(0, 1, 0)
         while heap and len(nodes) < MAX_NODES:
@@ -282,11 +282,11 @@ _LOADED: dict[tuple[str, float], tuple[MedusaHeads, HeadsInfo]] = {}  # this pro
 
 
 def _heads_for(folder: Path, model: Model) -> tuple[MedusaHeads, HeadsInfo]:
-    """`load_heads`, once per folder version and verifier within a process."""
+    """`load_heads`, once per folder version and verifier (by fingerprint) in a process."""
     stamp = max(
         (f.stat().st_mtime for f in (folder / META, folder / WEIGHTS) if f.exists()), default=0.0
     )
-    key = (f"{folder.resolve()}|{id(model)}", stamp)
+    key = (f"{folder.resolve()}|{verifier_fingerprint(model)}", stamp)
     if key not in _LOADED:
         _LOADED[key] = load_heads(folder, model)
     return _LOADED[key]
