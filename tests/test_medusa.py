@@ -204,3 +204,16 @@ def test_the_tree_holds_the_best_paths_by_the_product_of_head_probabilities(veri
     assert np.array_equal(prop.state, hidden[path[-1]])
     assert prop.realised[1] == prop.realised[2] == 2
     assert prop.predicted[1] == pytest.approx(1 + 0.95) and prop.predicted[2] == pytest.approx(1.56)
+
+
+def test_server_without_heads_answers_a_clear_error(verifier, tmp_path, monkeypatch):
+    import openai
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    gen = ondevice.load(verifier)
+    with LiveServer(gen) as server, pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(
+            model=gen.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            extra_body={"method": "medusa"},
+        )  # fmt: skip
+    assert "ondevice distill --heads medusa" in str(e.value)
