@@ -56,6 +56,7 @@ class _Pair:
     mlpackage: Path | None = None
     draft_context: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    heads: Path | None = None  # Medusa heads given to `load` (method "medusa")
 
 
 def _check_int(name: str, value: Any, low: int, none_ok: bool = False) -> None:
@@ -409,7 +410,7 @@ class Generator:
         draft = self.draft if speculative else None
         dec = make_decoder(
             self.verifier, draft, params, spec, eos_token_ids=self.tokenizer.eos_token_ids,
-            seed=seed,
+            seed=seed, heads=self._pair.heads,
         )  # fmt: skip
         if not speculative:
             dec.skip_reason = "speculative=False"
@@ -670,6 +671,7 @@ def load(
     dequantize: bool | None = None,
     prompt_cache: str | Path | None = None,
     prompt_cache_bytes: int = DEFAULT_MAX_BYTES,
+    heads: str | Path | None = None,
 ) -> Generator:
     """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
     draft. A pair bundle brings its own draft (Core ML and MLX); `draft` may also be a bundle,
@@ -689,6 +691,8 @@ def load(
     prompt_cache: a file written by `ondevice cache-prompt` (`Generator.save_prompt_cache`):
     prompts that begin with its tokens start from its KV. prompt_cache_bytes: memory for the
     KV of recent prompts and answers, reused by later prompts that share a prefix (0: off).
+    heads: a folder of Medusa heads for this verifier (`ondevice distill --heads medusa`), read
+    by method "medusa" (None: it looks for them in the cache); checked against the verifier now.
     """
     _check_load_arguments(verifier, draft, draft_backend, dtype, quantize, dequantize)
     from ondevice.sources.hub import resolve
@@ -731,6 +735,10 @@ def load(
         for loaded in (pair.verifier, pair.draft):
             if loaded is not None:
                 kernel.serve(loaded.model)
+    if heads is not None:
+        from ondevice.proposers.medusa import check_heads
+
+        pair.heads = check_heads(heads, pair.verifier.model)
     gen = Generator(pair, draft_backend, prompt_cache_bytes)
     if prompt_cache is not None:
         gen.load_prompt_cache(prompt_cache)

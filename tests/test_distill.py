@@ -165,3 +165,16 @@ def test_draft_drives_mlx_lm_speculative_generation(trained, verifier):
     plain = tokens()
     spec = tokens(draft_model=draft, num_draft_tokens=3)
     assert spec == plain
+
+
+def test_teacher_keeps_the_biases_of_quantized_layers(tmp_path):
+    """Qwen2's attention projections have biases; expanding its quantized layers to float32
+    must keep them (the GGUF verifiers arrive quantized)."""
+    from ondevice.distill.teacher import dequantized
+    from ondevice.models import load_model
+
+    v = write_model(tmp_path / "qwen2", arch="qwen2", layers=2, hidden_size=64)
+    model = load_model(v, quantize=4).model
+    weights = dequantized(model)
+    assert "model.layers.0.self_attn.q_proj.bias" in weights
+    assert all(v.dtype == mx.float32 for v in weights.values())

@@ -28,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     who.add_argument("--model", metavar="BUNDLE", help="a pair bundle (or any model with --draft)")
     who.add_argument("--verifier", metavar="PATH_OR_ID", help="verifier model")
     options.add_draft_arguments(src, metavar="PATH_OR_ID")
+    options.add_heads_argument(src)
     pr = p.add_argument_group("prompts")
     pr.add_argument(
         "--prompts",
@@ -144,7 +145,12 @@ def run(args: argparse.Namespace) -> int:
     verifier, draft = _models(args)
     # no prompt cache: each method must prefill its prompts, as the peers do
     gen = ondevice.load(
-        verifier, draft, draft_backend=args.draft_backend, dtype=args.dtype, prompt_cache_bytes=0
+        verifier,
+        draft,
+        draft_backend=args.draft_backend,
+        dtype=args.dtype,
+        prompt_cache_bytes=0,
+        heads=args.heads,
     )
     options = BenchOptions(
         max_tokens=args.max_tokens,

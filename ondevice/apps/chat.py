@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         draft_backend=args.draft_backend,
         dtype=args.dtype,
         quantize=args.quantize,
+        heads=args.heads,
         **options.prompt_cache_options(args),
     )
     ctrl.wait()

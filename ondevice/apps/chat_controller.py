@@ -184,6 +184,7 @@ class ChatController:
         quantize: int | None = None,
         prompt_cache: str | os.PathLike | None = None,
         prompt_cache_bytes: int | None = None,
+        heads: str | os.PathLike | None = None,
         wait: bool = False,
     ) -> bool:
         """Load (or switch to) a model in the background. A running answer is stopped first;
@@ -202,6 +203,8 @@ class ChatController:
                 options["prompt_cache"] = prompt_cache
             if prompt_cache_bytes is not None:
                 options["prompt_cache_bytes"] = prompt_cache_bytes
+            if heads is not None:
+                options["heads"] = heads
             self._start(ChatState.LOADING, lambda: self._load(model, options))
         if wait:
             self.wait()

@@ -6,20 +6,33 @@ import argparse
 
 from ondevice.apps import options
 
-HELP = "train a draft model for a verifier (knowledge distillation with MLX)"
+HELP = "train a draft model (or Medusa heads) for a verifier (knowledge distillation with MLX)"
 DESCRIPTION = (
     "Train a small draft that imitates VERIFIER: it starts from the verifier's embeddings, "
     "final norm and a subset of its layers, and learns the verifier's top-k next-token "
     "distributions. Without --data the verifier writes its own training conversations "
-    "(Magpie). Data and checkpoints are kept in OUTPUT.work/, so --resume continues a "
-    "stopped run; the draft in OUTPUT is refreshed at every checkpoint."
+    "(Magpie). With --heads medusa, train Medusa heads instead (method 'medusa': no draft "
+    "model): on the verifier's hidden states over local text (the documentation and source "
+    "of the installed packages, after any --data files), computed once. Data and checkpoints "
+    "are kept in OUTPUT.work/, so --resume continues a stopped run; OUTPUT is refreshed at "
+    "every checkpoint."
 )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = options.add_command(sub, "distill", HELP, DESCRIPTION)
     p.add_argument("--verifier", required=True, help="verifier: model folder, .gguf file or name")
-    p.add_argument("-o", "--output", required=True, help="folder to write the draft model to")
+    p.add_argument(
+        "-o", "--output", required=True, help="folder to write the draft model (or heads) to"
+    )
+    p.add_argument(
+        "--heads",
+        choices=("medusa",),
+        help="train Medusa heads on the verifier's hidden states instead of a draft model",
+    )
+    p.add_argument(
+        "--num-heads", type=int, default=4, help="--heads: heads, one per token ahead (default: 4)"
+    )
     p.add_argument(
         "--data",
         nargs="+",
@@ -38,20 +51,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="score only the first K token ids (FR-Spec; recorded as draft_vocab_size in "
-        "config.json; default: the full vocabulary)",
+        "config.json; default: the full vocabulary; --heads: 32768)",
     )
     p.add_argument(
         "--tokens",
         type=int,
         default=100_000,
-        help="self-generated training positions to build (default: 100000)",
+        help="self-generated training positions to build (--heads: text tokens whose states "
+        "are computed; default: 100000)",
     )
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--steps", type=int, default=2000, help="training steps (default: 2000)")
     p.add_argument("--minutes", type=float, help="stop training after this many minutes")
-    p.add_argument("--batch-size", type=int, default=8, help="rows per step (default: 8)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per row (default: 256)")
-    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default: 5e-4)")
+    p.add_argument(
+        "--batch-size", type=int, help="rows per step (default: 8; --heads: positions, 256)"
+    )
+    p.add_argument(
+        "--seq-len", type=int, help="tokens per row (default: 256; --heads: per piece, 512)"
+    )
+    p.add_argument("--lr", type=float, help="peak learning rate (default: 5e-4; --heads: 1e-3)")
     p.add_argument("--top-k", type=int, default=20, help="teacher probabilities kept per position")
     p.add_argument(
         "--gen-batch", type=int, default=32, help="conversations generated at once (default: 32)"
@@ -83,6 +101,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.heads:
+        return run_heads(args)
     from ondevice.distill import distill
 
     summary = distill(
@@ -95,9 +115,9 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         steps=args.steps,
         minutes=args.minutes,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        learning_rate=args.lr,
+        batch_size=args.batch_size or 8,
+        seq_len=args.seq_len or 256,
+        learning_rate=args.lr or 5e-4,
         top_k=args.top_k,
         gen_batch=args.gen_batch,
         max_tokens=args.max_tokens,
@@ -114,5 +134,39 @@ def run(args: argparse.Namespace) -> int:
         f"draft written to {args.output}: {summary['step']} steps in {summary['train_time_s']:.0f}s, "
         f"held-out greedy agreement {summary['acceptance_estimate']:.3f}"
         + (f" (before training {start:.3f})" if start is not None else "")
+    )
+    return 0
+
+
+def run_heads(args: argparse.Namespace) -> int:
+    from ondevice.distill.medusa import distill_heads
+
+    summary = distill_heads(
+        args.verifier,
+        args.output,
+        data_files=args.data,
+        num_heads=args.num_heads,
+        vocab=args.vocab or 32768,
+        tokens=args.tokens,
+        resume=args.resume,
+        steps=args.steps,
+        minutes=args.minutes,
+        batch_size=args.batch_size or 256,
+        seq_len=args.seq_len or 512,
+        learning_rate=args.lr or 1e-3,
+        top_k=args.top_k,
+        work_dir=args.work_dir,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every,
+        progress=not args.quiet,
+    )
+    agree = " ".join(f"{a:.3f}" for a in summary["head_agreement"])
+    start = summary.get("head_agreement_start")
+    print(
+        f"heads written to {args.output}: {summary['step']} steps in "
+        f"{summary['train_time_s']:.0f}s on {summary['train_tokens']} tokens, held-out greedy "
+        f"agreement per head {agree}"
+        + (" (before training " + " ".join(f"{a:.3f}" for a in start) + ")" if start else "")
     )
     return 0

@@ -49,7 +49,18 @@ def add_model_arguments(p: Any, *, required: bool = False) -> None:
     p.add_argument(
         "--quantize", type=int, choices=QUANTIZE_BITS, help="quantize the verifier on load"
     )
+    add_heads_argument(p)
     add_prompt_cache_arguments(p)
+
+
+def add_heads_argument(p: Any) -> None:
+    """--heads FOLDER: `ondevice.load`'s heads (method "medusa")."""
+    p.add_argument(
+        "--heads",
+        metavar="FOLDER",
+        help="Medusa heads for the verifier (from `ondevice distill --heads medusa`), read by "
+        "--method medusa (default: those found in the cache)",
+    )
 
 
 def add_draft_arguments(p: Any, metavar: str = "MODEL") -> None:
@@ -121,6 +132,7 @@ def load_generator(args: argparse.Namespace) -> Generator:
         draft_backend=args.draft_backend,
         dtype=args.dtype,
         quantize=args.quantize,
+        heads=getattr(args, "heads", None),
         **prompt_cache_options(args),
     )
 

@@ -8,6 +8,7 @@ of them (position-keyed noise).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from ondevice.decoders.base import Decoder
 from ondevice.decoders.chain import ChainDecoder
@@ -32,6 +33,7 @@ def make_decoder(
     seed: int | None = None,
     eos_token_ids: Sequence[int] = (),
     rule: str | CustomRule | Rule | None = None,
+    heads: Path | None = None,
 ) -> Decoder:
     """The decoder for `spec.method` (default: a chain with the defaults of `Speculation`).
 
@@ -39,7 +41,8 @@ def make_decoder(
     "lookahead" and "auto" run with the verifier alone, "tree" and "cascade" refuse).
     params: the sampling parameters; seed: the position-keyed noise's seed (None: random).
     rule: the acceptance rule (chain: a name in `accept.RULES` or a chain rule; the others: a
-    tree rule), for tests that show a wrong one is caught.
+    tree rule), for tests that show a wrong one is caught. heads: a Medusa heads folder for
+    method "medusa" (None: found in the cache).
     """
     spec = spec or Speculation()
     m = method(spec.method)
@@ -59,7 +62,7 @@ def make_decoder(
             return plain
         chain = PipelinedDecoder if spec.pipeline else ChainDecoder
         return chain(verifier, draft, params, num_draft_tokens=k, rule=rule, **opts)
-    res = Resources.build(verifier, draft, params, seed=seed, profile=spec.profile)
+    res = Resources.build(verifier, draft, params, seed=seed, profile=spec.profile, heads=heads)
     proposer = m.build_proposer(res, spec)
     return TreeDecoder(
         res.verifier, proposer, params, rule=rule, draft_state=res.draft, chooser=res.chooser,

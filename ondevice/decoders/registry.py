@@ -46,6 +46,7 @@ class Method:
     uses_draft: bool = False
     plain_without_draft: bool = False
     proposer: str | ProposerBuilder | None = None
+    in_auto: bool = False
 
     def build_proposer(self, res: Resources, spec: Speculation) -> Proposer:
         assert self.proposer is not None, f"{self.name} is not a proposer's method"
@@ -73,6 +74,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("self", "self-speculation: the verifier drafts with a measured skip set of its own "
            "layers, no draft model", "the draft path's longest length",
            proposer="ondevice.proposers.layer_skip:build"),
+    Method("medusa", "Medusa heads on the verifier's last hidden state propose a token tree, no "
+           "draft model (heads from `ondevice distill --heads medusa`)",
+           "the tree's depth (at most the number of heads)",
+           proposer="ondevice.proposers.medusa:build", in_auto=True),
     Method("auto", "picks per round among plain steps, pld and the draft's greedy path, tree and "
            "cascade (lookahead without a draft) by measured acceptance and pass costs",
            "each candidate's size", uses_draft=True, proposer="ondevice.proposers.auto:build"),

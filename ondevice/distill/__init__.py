@@ -27,7 +27,13 @@ from ondevice.distill.data import (
 )
 from ondevice.distill.export import DRAFT_VOCAB_FIELD, draft_vocab_size, export_draft
 from ondevice.distill.teacher import Teacher, load_teacher
-from ondevice.distill.train import TrainConfig, checkpoint_config, default_layers, train
+from ondevice.distill.train import (
+    TrainConfig,
+    checkpoint_config,
+    default_layers,
+    train,
+    work_folder,
+)
 from ondevice.errors import OndeviceError
 
 __all__ = [
@@ -157,12 +163,7 @@ def distill(
 ) -> dict[str, Any]:
     """Distill a draft for `verifier` into `output`; returns the run's summary."""
     output = Path(output)
-    work = Path(work_dir) if work_dir else output.with_name(output.name + ".work")
-    if not resume and (work / "checkpoint").exists():
-        raise OndeviceError(
-            f"{work}: holds a checkpoint of an earlier run. Pass --resume to continue it, or "
-            "delete the folder to start over."
-        )
+    work = work_folder(output, work_dir, resume)
     t0 = time.time()
     teacher = load_teacher(verifier)
     layer_list = parse_layers(layers, teacher.config.num_hidden_layers)

@@ -47,16 +47,10 @@ class Shard:
         return int(self.mask.sum())
 
     def save(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(
-            tmp,
-            tokens=self.tokens,
-            ids=self.ids,
-            logp=self.logp,
-            mask=self.mask,
+        save_npz(
+            path, tokens=self.tokens, ids=self.ids, logp=self.logp, mask=self.mask,
             starts=self.starts,
-        )
-        os.replace(tmp, path)  # a stopped run never leaves a half-written shard
+        )  # fmt: skip
 
     @classmethod
     def load(cls, path: Path) -> Shard:
@@ -73,6 +67,13 @@ class Shard:
             np.concatenate([s.mask for s in shards]),
             np.concatenate([s.starts + o for s, o in zip(shards, offsets)]),
         )
+
+
+def save_npz(path: Path, **arrays: np.ndarray) -> None:
+    """Write a shard of arrays whole: a stopped run never leaves a half-written one."""
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
 
 
 def chat_turn_tokens(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:

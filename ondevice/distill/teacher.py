@@ -54,9 +54,9 @@ def dequantized(model: Model) -> dict[str, mx.array]:
     out: dict[str, mx.array] = {}
     for name, w in flat.items():
         base, _, kind = name.rpartition(".")
-        if base in quant:
-            if kind != "weight":
-                continue  # scales and biases are folded into the expanded weight
+        if base in quant and kind in ("scales", "biases"):
+            continue  # folded into the expanded weight (a layer's own `bias` is kept)
+        if base in quant and kind == "weight":
             group, bits = quant[base]
             w = mx.dequantize(w, flat[f"{base}.scales"], flat[f"{base}.biases"], group, bits)
         out[name] = w.astype(mx.float32)

@@ -135,7 +135,21 @@ def distill_loss(
 ) -> tuple[mx.array, mx.array]:
     """Mean cross-entropy to the teacher's top-k (renormalised over the draft's vocabulary),
     and the fraction of positions where the student's argmax is the teacher's top token."""
-    logits = draft_logits(model, x, mask, vocab)
+    return soft_cross_entropy(draft_logits(model, x, mask, vocab), ids, logp, weight, vocab)
+
+
+def soft_cross_entropy(
+    logits: mx.array,
+    ids: mx.array,
+    logp: mx.array,
+    weight: mx.array,
+    vocab: int | None,
+    per_head: bool = False,
+) -> tuple[mx.array, mx.array]:
+    """The distillation loss over logits (..., V) of the first `vocab` ids: the mean (by
+    `weight` (...,)) cross-entropy to the teacher's top-k (`ids`, `logp` (..., k)) renormalised
+    over those ids, and the weighted share of positions where the argmax is the teacher's top
+    token (with `per_head`, per last axis of `weight` (P, K): one share per Medusa head)."""
     ls = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     p = mx.exp(logp.astype(mx.float32))
     if vocab is not None:
@@ -145,8 +159,9 @@ def distill_loss(
     p = p / mx.maximum(p.sum(-1, keepdims=True), 1e-9)
     ce = -(p * mx.take_along_axis(ls, ids, axis=-1)).sum(-1)
     n = mx.maximum(weight.sum(), 1.0)
-    agree = (mx.argmax(logits, axis=-1) == ids[..., 0]) * weight
-    return (ce * weight).sum() / n, agree.sum() / n
+    hit = (mx.argmax(logits, axis=-1) == ids[..., 0]) * weight
+    agree = hit.sum(0) / mx.maximum(weight.sum(0), 1.0) if per_head else hit.sum() / n
+    return (ce * weight).sum() / n, agree
 
 
 # -- batches -------------------------------------------------------------------------------------
@@ -234,6 +249,18 @@ def load_checkpoint(folder: Path, model: Model, opt: optim.Optimizer) -> tuple[i
     return int(meta["step"]), float(meta["elapsed_s"])
 
 
+def work_folder(output: Path, work_dir: str | Path | None, resume: bool) -> Path:
+    """The run's data and checkpoint folder (default OUTPUT.work); OndeviceError where a
+    checkpoint of an earlier run is there and `resume` is not asked for."""
+    work = Path(work_dir) if work_dir else output.with_name(output.name + ".work")
+    if not resume and (work / CHECKPOINT).exists():
+        raise OndeviceError(
+            f"{work}: holds a checkpoint of an earlier run. Pass --resume to continue it, or "
+            "delete the folder to start over."
+        )
+    return work
+
+
 def checkpoint_config(folder: Path) -> dict[str, Any] | None:
     p = folder / "progress.json"
     return json.loads(p.read_text())["config"] if p.exists() else None
@@ -301,7 +328,7 @@ def train(
             model, held, cfg.vocab
         )
     timed = bool(cfg.minutes)
-    bar = _progress_bar(cfg, step, elapsed, progress)
+    bar = progress_bar(cfg, step, elapsed, progress)
     ema = None
     start = time.time() - elapsed
     acc = summary.get("acceptance_estimate_start")
@@ -354,7 +381,7 @@ def _compiled_step(model: Model, opt: optim.Optimizer, cfg: TrainConfig) -> tupl
     return train_step, state
 
 
-def _progress_bar(cfg: TrainConfig, step: int, elapsed: float, progress: bool) -> Any:
+def progress_bar(cfg: TrainConfig, step: int, elapsed: float, progress: bool) -> Any:
     """Steps, or with a time budget seconds (so the ETA is the budget's end)."""
     from tqdm import tqdm
 

@@ -34,9 +34,16 @@ from typing import Protocol
 
 import numpy as np
 
+from ondevice.errors import OndeviceError
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.pass_costs import CostProfile, best_rate, best_size
+
+
+class Unavailable(OndeviceError):
+    """A proposer's builder lacks what it drafts from (Medusa heads not trained for this
+    verifier, say): `auto` leaves the method out; a direct request shows the reason, which says
+    how to get what is missing."""
 
 
 @dataclass

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ondevice.rules.chooser import TokenChooser
@@ -58,6 +59,8 @@ class Resources:
     draft: the draft's cache kept in step with the committed tokens (None: no draft loaded).
     chooser: the generation's one token chooser (sampling transform, noise, rule).
     verify_cost, draft_cost: seconds of a pass over n tokens (None: not profiled).
+    heads: a folder of Medusa heads given explicitly (`load(..., heads=...)`); None: method
+        "medusa" looks in the cache for heads trained for this verifier.
     """
 
     verifier: Engine
@@ -65,6 +68,7 @@ class Resources:
     chooser: TokenChooser
     verify_cost: CostProfile | None = None
     draft_cost: CostProfile | None = None
+    heads: Path | None = None
 
     @classmethod
     def build(
@@ -75,9 +79,11 @@ class Resources:
         *,
         seed: int | None = None,
         profile: bool = True,
+        heads: Path | None = None,
     ) -> Resources:
         """The verifier wrapped for trees, the draft's state, the token chooser (its noise
-        keyed by `seed`) and (with `profile`) the cached pass costs of both."""
+        keyed by `seed`), (with `profile`) the cached pass costs of both, and the heads folder
+        given, if any."""
         from ondevice.proposers.draft_tree import DraftState
 
         verifier = tree_engine(verifier)
@@ -87,7 +93,7 @@ class Resources:
         if draft is not None:
             state = DraftState(tree_engine(draft), verifier.vocab_size, dcost)
         chooser = TokenChooser(params, verifier.vocab_size, seed)
-        return cls(verifier, state, chooser, vcost, dcost)
+        return cls(verifier, state, chooser, vcost, dcost, heads)
 
     @property
     def params(self) -> SamplingParams:

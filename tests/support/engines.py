@@ -66,8 +66,12 @@ class _TreePasses(_ContextEngine):
     """Tree passes over `row`: each token gets the logits after the tokens it can see."""
 
     def feed_masked(
-        self, tokens: Sequence[int], positions: Sequence[int], visible: np.ndarray
-    ) -> np.ndarray:
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        visible: np.ndarray,
+        hidden: bool = False,
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         self.passes += 1
         self.fed += len(tokens)
         n_old, L = len(self.tokens), len(tokens)
@@ -78,9 +82,15 @@ class _TreePasses(_ContextEngine):
         for i in range(L):
             ctx = [allseq[j] for j in np.flatnonzero(visible[i])]
             assert len(ctx) - 1 == positions[i], "positions disagree with the visible path"
-            rows.append(self.row(ctx))
+            rows.append(self.state(ctx) if hidden else self.row(ctx))
         self.tokens = allseq
+        if hidden:  # (logits, the last hidden states), as `MLXTreeEngine` gives them
+            return np.stack([r for r, _ in rows]), np.stack([h for _, h in rows])
         return np.stack(rows)
+
+    def state(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The logits and the last hidden state after a context (engines that have one)."""
+        raise NotImplementedError
 
     def keep(self, n_recent: int, indices: Sequence[int]) -> None:
         tail = self.tokens[len(self.tokens) - n_recent :]
@@ -150,21 +160,27 @@ class MemoEngine(_TreePasses):
     against sequential passes)."""
 
     name = "memo"
+    returns_hidden = True  # its hidden states too, for proposers that read them (Medusa)
 
     def __init__(self, model: Model, context_length: int = 512) -> None:
         super().__init__()
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.context_length = context_length
-        self.memo: dict[tuple[int, ...], np.ndarray] = {}
+        self.memo: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
-    def row(self, context: Sequence[int]) -> np.ndarray:
+    def state(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         key = tuple(context)
         if key not in self.memo:
-            logits = np.array(self.model(mx.array([list(key)]))[0].astype(mx.float32))
+            logits, hidden = self.model(mx.array([list(key)]), hidden=True)
+            rows = np.array(logits[0].astype(mx.float32))
+            states = np.array(hidden[0].astype(mx.float32))
             for i in range(len(key)):
-                self.memo.setdefault(key[: i + 1], logits[i])
+                self.memo.setdefault(key[: i + 1], (rows[i], states[i]))
         return self.memo[key]
+
+    def row(self, context: Sequence[int]) -> np.ndarray:
+        return self.state(context)[0]
 
     # test_speculative's `_exact_joint` (left to the rewrite of the acceptance-rule tests)
     # reads `_row`; remove this alias once it reads `row`.

@@ -1,0 +1,325 @@
+"""Medusa heads (Cai et al. 2024, Medusa-1): drafting from the verifier's own last hidden state.
+
+Head k (k = 1..K) is a residual block on the verifier's last hidden state h (after the final
+norm, the state its output layer reads), `h + SiLU(W_k h + b_k)`, followed by the verifier's own
+output matrix (frozen and shared, not stored again) restricted to the first `vocab_subset` ids
+(a frequency-ranked subset, as the FR-Spec draft head: byte-level BPE gives the commonest tokens
+the smallest ids). From the state at position t the verifier's head predicts token t+1 (the
+round's bonus token) and head k token t+k+1, so one verification pass, which the decoder makes
+anyway, gives the next round's guesses for K positions: drafting costs K small products.
+
+- Heads live in a folder (`heads.safetensors`: `heads.{k}.weight` (d, d), `heads.{k}.bias`
+  (d,), k from 0; `heads.json`: the format, the verifier's fingerprint, K, the subset, d and
+  how they were trained), written by `ondevice distill --heads medusa` (`distill/medusa.py`).
+  They are given explicitly (`ondevice.load(..., heads=PATH)`, `--heads PATH`) or found in the
+  cache beside the model's profiles (`heads_cache_path`).
+- `MedusaProposer` builds each round's tree from the heads' top choices, Medusa's cartesian
+  product tree grown best first: a node's value is the product of the head probabilities along
+  its path (heads do not see the path, so every choice of head d's list may follow every node at
+  depth d-1), calibrated per depth by the acceptance observed; the best nodes, as many as the
+  verifier's measured pass costs say pay (`cost_budget`), are verified in one pass. Children are
+  deterministic draws (a top-k list, as the draft model's dynamic trees), so the multi-candidate
+  rule keeps sampling exactly the verifier's law whatever the heads say.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from os import PathLike
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ondevice.errors import OndeviceError
+from ondevice.models.transformer import Model, _head_rows
+from ondevice.proposers.base import BudgetFn, Unavailable, Verification, cost_budget
+from ondevice.proposers.draft_tree import top_tokens
+from ondevice.rules.noise import PositionNoise
+from ondevice.rules.token_tree import TokenTree
+from ondevice.runtime.engines import innermost
+
+if TYPE_CHECKING:
+    from ondevice.proposers.resources import Resources, Speculation
+
+FORMAT = "ondevice-medusa-heads"
+VERSION = 1
+WEIGHTS = "heads.safetensors"
+META = "heads.json"
+WIDTH = 8  # choices of each head a tree may use
+MAX_NODES = 64  # candidates grown before the cost budget picks how many are verified
+
+
+# -- the heads and their file --------------------------------------------------------------------
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks over hidden states: (..., d) -> (..., K, d)."""
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.heads = [nn.Linear(hidden_size, hidden_size) for _ in range(num_heads)]
+
+    def __call__(self, h: mx.array) -> mx.array:
+        return mx.stack([h + nn.silu(head(h)) for head in self.heads], axis=-2)
+
+
+def output_layer(model: Model) -> nn.Module:
+    """The verifier's output matrix (tied embeddings or its own LM head)."""
+    return model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
+
+
+def head_logits(model: Model, states: mx.array, vocab_subset: int) -> mx.array:
+    """Logits over the first `vocab_subset` ids of the verifier's output layer for `states`
+    (..., d) (the heads' outputs): the rows of the matrix are independent, so this is exact."""
+    return _head_rows(output_layer(model), states, vocab_subset)
+
+
+def verifier_fingerprint(model: Model) -> str:
+    """What identifies the verifier the heads were trained on: its shape and the values of its
+    norms, rounded to bfloat16 so that the same weights loaded as float32, float16 or bfloat16
+    (or dequantized from a GGUF file) agree. (`layer_skip.weights_fingerprint` keys by the
+    loaded dtype and quantization, which heads do not depend on.)"""
+    cfg = model.config
+    shape = f"{cfg.model_type} {cfg.hidden_size} {len(model.layers)} {cfg.vocab_size}"
+    h = hashlib.sha256(shape.encode())
+    arrays = [model.model.norm.weight]
+    for layer in model.layers:
+        arrays += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    for a in arrays:
+        h.update(np.array(a.astype(mx.bfloat16).astype(mx.float32)).tobytes())
+    return h.hexdigest()[:16]
+
+
+def heads_cache_path(model: Model) -> Path:
+    """Where heads for `model` are found without `heads=`: beside its cached profiles."""
+    from ondevice.sources.hub import cache_dir
+
+    return cache_dir() / "profiles" / f"medusa-{verifier_fingerprint(model)}"
+
+
+@dataclass
+class HeadsInfo:
+    """heads.json: what the weights are for and how they were made."""
+
+    fingerprint: str
+    hidden_size: int
+    num_heads: int
+    vocab_subset: int
+    extra: dict[str, Any] = field(default_factory=dict)  # verifier name, training, acceptance
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "version": VERSION, "verifier_fingerprint": self.fingerprint,
+            "hidden_size": self.hidden_size, "num_heads": self.num_heads,
+            "vocab_subset": self.vocab_subset, **self.extra,
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> HeadsInfo:
+        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+            raise ValueError(f"not {FORMAT} version {VERSION}")
+        keys = ("format", "version", "verifier_fingerprint", "hidden_size", "num_heads",
+                "vocab_subset")  # fmt: skip
+        return cls(
+            str(doc["verifier_fingerprint"]), int(doc["hidden_size"]), int(doc["num_heads"]),
+            int(doc["vocab_subset"]), {k: v for k, v in doc.items() if k not in keys},
+        )  # fmt: skip
+
+
+TRAIN_HINT = "ondevice distill --heads medusa --verifier MODEL -o HEADS"
+
+
+def read_heads(folder: Path) -> tuple[dict[str, mx.array], HeadsInfo]:
+    """The weights and info of a heads folder (OndeviceError naming the file otherwise)."""
+    folder = Path(folder)
+    meta, weights = folder / META, folder / WEIGHTS
+    for f in (meta, weights):
+        if not f.is_file():
+            raise OndeviceError(
+                f"{f}: not found; a Medusa heads folder holds {META} and {WEIGHTS} (made by "
+                f"`{TRAIN_HINT}`)."
+            )
+    try:
+        info = HeadsInfo.from_json(json.loads(meta.read_text()))
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise OndeviceError(
+            f"{meta}: not a readable Medusa heads description ({e}); train the heads again with "
+            f"`{TRAIN_HINT}`."
+        ) from None
+    try:
+        arrays = mx.load(str(weights))
+    except Exception as e:  # noqa: BLE001 - MLX raises plain exceptions for bad files
+        raise OndeviceError(f"{weights}: unreadable ({e}); train the heads again.") from None
+    return arrays, info
+
+
+def load_heads(folder: Path, model: Model) -> tuple[MedusaHeads, HeadsInfo]:
+    """Heads from `folder` for the verifier `model` (float32), checked against it."""
+    arrays, info = read_heads(folder)
+    meta = Path(folder) / META
+    cfg = model.config
+    fix = f"train heads for this verifier with `{TRAIN_HINT}`, or pass the heads made for it"
+    if info.hidden_size != cfg.hidden_size:
+        raise OndeviceError(
+            f"{meta}: these heads were trained for a verifier of hidden size {info.hidden_size}, "
+            f"this verifier's is {cfg.hidden_size}; {fix}."
+        )
+    if info.fingerprint != verifier_fingerprint(model):
+        raise OndeviceError(
+            f"{meta}: these heads were trained for another verifier (fingerprint "
+            f"{info.fingerprint}, this verifier's is {verifier_fingerprint(model)}; "
+            f"{info.extra.get('verifier', 'unknown')!r}); {fix}."
+        )
+    if not 1 <= info.vocab_subset <= cfg.vocab_size or info.num_heads < 1:
+        raise OndeviceError(f"{meta}: vocab_subset or num_heads out of range; {fix}.")
+    heads = MedusaHeads(info.hidden_size, info.num_heads)
+    try:
+        heads.load_weights([(k, v.astype(mx.float32)) for k, v in arrays.items()])
+    except ValueError as e:
+        raise OndeviceError(f"{Path(folder) / WEIGHTS}: {e}; train the heads again.") from None
+    mx.eval(heads.parameters())
+    return heads, info
+
+
+# -- the proposer ---------------------------------------------------------------------------------
+
+
+class MedusaProposer:
+    """Trees from Medusa heads over the verifier's hidden state at the last accepted node (see
+    the module). The first round of a generation has no state yet and is a plain step."""
+
+    name = "medusa"
+    wants_hidden = True
+
+    def __init__(
+        self,
+        model: Model,
+        heads: MedusaHeads,
+        info: HeadsInfo,
+        *,
+        depth: int | None = None,
+        width: int = WIDTH,
+        budget: BudgetFn | None = None,
+    ):
+        self.model, self.heads, self.info = model, heads, info
+        self.depth = min(depth or info.num_heads, info.num_heads)
+        self.width = width
+        self.budget = budget or cost_budget(None)
+        self.state: np.ndarray | None = None  # (d,) the verifier's state at the last accepted node
+        # per depth: summed predicted acceptance of verified nodes, and rounds accepting that deep
+        # (prior: one round of perfect calibration); the heads' confidence is not their accuracy
+        self.predicted = np.ones(self.depth + 2)
+        self.realised = np.ones(self.depth + 2)
+        self._pred: np.ndarray | None = None
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self.state = None
+
+    def head_probs(self, state: np.ndarray) -> np.ndarray:
+        """(K, vocab_subset) each head's temperature-1 distribution from one hidden state."""
+        out = self.heads(mx.array(state, dtype=mx.float32))
+        return np.array(mx.softmax(head_logits(self.model, out, self.info.vocab_subset), axis=-1))
+
+    def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
+        tree = TokenTree.root(seq[-1])
+        depth = min(self.depth, max_depth)
+        self._pred = None
+        if self.state is None or depth < 1:
+            return tree
+        probs = self.head_probs(self.state)[:depth]
+        top = np.stack([top_tokens(p, self.width) for p in probs])
+        # heads may be over- or underconfident: scaled either way, a value stays <= 1
+        calib = self.realised / self.predicted
+        # best first: a node's key never exceeds its parent's or its elder sibling's, so nodes
+        # pop in the order of their values and every node's parent pops before it
+        heap: list[tuple[float, int, int, int, int, float]] = []  # -key, n, parent, d, rank, raw
+        nodes: list[tuple[int, int, float, float]] = []  # (parent, token, raw, value)
+        order = itertools.count()  # ties: first pushed, first popped
+
+        def push(parent: int, d: int, rank: int) -> None:
+            if d > depth or rank >= top.shape[1]:
+                return
+            raw_parent, key_parent = nodes[parent - 1][2:] if parent else (1.0, 1.0)
+            raw = raw_parent * float(probs[d - 1, top[d - 1, rank]])
+            key = min(key_parent, raw * float(calib[d]))
+            heapq.heappush(heap, (-key, next(order), parent, d, rank, raw))
+
+        push(0, 1, 0)
+        while heap and len(nodes) < MAX_NODES:
+            neg, _, parent, d, rank, raw = heapq.heappop(heap)
+            nodes.append((parent, int(top[d - 1, rank]), raw, -neg))
+            push(parent, d, rank + 1)  # the next sibling
+            push(len(nodes), d + 1, 0)  # the first child
+        values = np.array([v for _, _, _, v in nodes])
+        n = max(0, min(int(self.budget(values)), len(nodes)))
+        pred = np.zeros(len(self.predicted))
+        for parent, token, raw, _ in nodes[:n]:
+            node = tree.add(parent, token)
+            pred[min(tree.depths[node], len(pred) - 1)] += raw
+        self._pred = pred
+        return tree
+
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
+        hidden = verdict.hidden
+        assert hidden is not None, "the tree decoder did not hand over the hidden states"
+        self.state = np.asarray(hidden[verdict.path[-1] if verdict.path else 0], np.float32)
+        if self._pred is not None:
+            depths = np.arange(len(self.predicted))
+            tried = self._pred > 0
+            self.predicted += self._pred
+            self.realised += tried & (depths >= 1) & (depths <= len(verdict.path))
+
+
+_LOADED: dict[tuple[str, float], tuple[MedusaHeads, HeadsInfo]] = {}  # this process's heads
+
+
+def _heads_for(folder: Path, model: Model) -> tuple[MedusaHeads, HeadsInfo]:
+    """`load_heads`, once per folder version and verifier (by fingerprint) in a process."""
+    stamp = max(
+        (f.stat().st_mtime for f in (folder / META, folder / WEIGHTS) if f.exists()), default=0.0
+    )
+    key = (f"{folder.resolve()}|{verifier_fingerprint(model)}", stamp)
+    if key not in _LOADED:
+        _LOADED[key] = load_heads(folder, model)
+    return _LOADED[key]
+
+
+def check_heads(folder: str | Path, model: Model) -> Path:
+    """The heads folder given to `load`, checked against the verifier `model` (loaded once)."""
+    if not isinstance(folder, (str, PathLike)) or not str(folder).strip():
+        raise OndeviceError(f"heads must be a folder of Medusa heads; got {folder!r}.")
+    path = Path(folder).expanduser()
+    _heads_for(path, model)
+    return path
+
+
+def build(res: Resources, spec: Speculation) -> MedusaProposer:
+    """The "medusa" method: a tree of the heads' top choices, num_draft_tokens deep (default:
+    every head), as many nodes as the verifier's pass costs say pay. Heads come from
+    `res.heads` or the cache; without them `Unavailable` says how to train them."""
+    model = getattr(innermost(res.verifier), "model", None)
+    if not isinstance(model, Model):
+        raise OndeviceError(
+            "method 'medusa' reads the verifier's hidden states and needs an MLX verifier."
+        )
+    folder = res.heads
+    if folder is None:
+        folder = heads_cache_path(model)
+        if not (folder / META).is_file():
+            raise Unavailable(
+                "method 'medusa' needs Medusa heads trained for this verifier and found none "
+                f"(looked in {folder}). Train them with `{TRAIN_HINT}` and pass heads=HEADS "
+                f"(--heads HEADS), or put the folder at {folder}."
+            )
+    heads, info = _heads_for(Path(folder), model)
+    return MedusaProposer(
+        model, heads, info, depth=spec.num_draft_tokens, budget=cost_budget(res.verify_cost)
+    )

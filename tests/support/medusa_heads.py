@@ -1,0 +1,41 @@
+"""Medusa heads for tiny test verifiers, written where method "medusa" finds them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from ondevice.distill.medusa import identity_heads, save_heads
+from ondevice.models.transformer import Model
+from ondevice.proposers.medusa import HeadsInfo, heads_cache_path, verifier_fingerprint
+
+
+def write_heads(
+    model: Model,
+    folder: Path | None = None,
+    *,
+    num_heads: int = 3,
+    vocab_subset: int | None = None,
+    noise: float = 0.0,
+    seed: int = 0,
+) -> Path:
+    """Heads for `model` in `folder` (default: the cache, where "medusa" looks without
+    heads=...): Medusa's identity start (W = 0, b = 0), plus Gaussian `noise` on the weights.
+    The identity heads guess that the next token repeats, which a tiny random model's greedy
+    text often does, so they get some proposals accepted."""
+    d = model.config.hidden_size
+    heads = identity_heads(d, num_heads)
+    if noise:
+        key = mx.random.key(seed)
+        heads.update(
+            {"heads": [{"weight": noise * mx.random.normal((d, d), key=mx.random.split(key, num_heads)[i]),
+                        "bias": mx.zeros((d,))} for i in range(num_heads)]}
+        )  # fmt: skip
+    info = HeadsInfo(
+        verifier_fingerprint(model), d, num_heads, vocab_subset or model.config.vocab_size,
+        {"verifier": "a tiny test model"},
+    )  # fmt: skip
+    out = folder or heads_cache_path(model)
+    save_heads(heads, info, out)
+    return out

@@ -1,0 +1,219 @@
+"""Method "medusa": Medusa heads on the verifier's hidden states (lossless on every
+architecture, through the API, the CLI and the server), the heads folder and its checks, and
+`ondevice distill --heads medusa` end to end on a tiny verifier."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+from support.medusa_heads import write_heads
+from test_server import LiveServer
+
+import ondevice
+from ondevice.distill.medusa import distill_heads
+from ondevice.models import load_model
+from ondevice.proposers.base import Unavailable
+from ondevice.proposers.medusa import META, WEIGHTS, load_heads, read_heads
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ("hello world hello world", "abcabcabc", "the cat sat on the mat")
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory) -> Path:
+    return tiny.write_model(tmp_path_factory.mktemp("medusa") / "v", layers=2, scale=1.5)
+
+
+@pytest.fixture(scope="module")
+def heads(verifier, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("heads") / "heads"
+    return write_heads(load_model(verifier).model, out, num_heads=3, noise=0.05)
+
+
+@pytest.mark.parametrize("arch", sorted(tiny.ARCH_DEFAULTS))
+def test_greedy_output_is_plain_decodings_on_every_architecture(arch, tmp_path):
+    tie = arch in ("qwen2", "qwen3")  # the output matrix shared with the embedding, or not
+    v = tiny.write_model(tmp_path / arch, arch=arch, tie=tie, layers=2, scale=1.5)
+    h = write_heads(load_model(v).model, tmp_path / "heads", num_heads=4, noise=0.05)
+    gen = ondevice.load(v, heads=h)
+    drafted = 0
+    for prompt in PROMPTS:
+        plain = gen.generate(prompt, max_tokens=24, speculative=False)
+        spec = gen.generate(prompt, max_tokens=24, method="medusa")
+        assert spec.tokens == plain.tokens, (arch, prompt)
+        assert spec.stats["rounds_by_method"] == {"medusa": spec.stats["rounds"]}
+        drafted += spec.stats["drafted"]
+        # seeded sampling: the same seed gives the same tokens
+        a = gen.generate(prompt, max_tokens=12, method="medusa", temperature=1.0, seed=4)
+        b = gen.generate(prompt, max_tokens=12, method="medusa", temperature=1.0, seed=4)
+        assert a.tokens == b.tokens
+    assert drafted > 0
+
+
+def test_heads_folder_round_trip(verifier, heads):
+    model = load_model(verifier).model
+    arrays, info = read_heads(heads)
+    assert (info.num_heads, info.hidden_size) == (3, model.config.hidden_size)
+    assert info.extra["verifier"] == "a tiny test model"
+    assert all(v.dtype == mx.float16 for v in arrays.values())  # stored as float16
+    loaded, info2 = load_heads(heads, model)
+    assert info2 == info and len(loaded.heads) == 3
+    for k in range(3):
+        w = np.array(loaded.heads[k].weight)
+        np.testing.assert_array_equal(w, np.array(arrays[f"heads.{k}.weight"].astype(mx.float32)))
+        assert np.abs(w).max() > 0  # the noise was stored, not zeros
+    doc = json.loads((heads / META).read_text())
+    assert doc["format"] == "ondevice-medusa-heads" and doc["num_heads"] == 3
+
+
+def test_heads_of_another_verifier_are_refused_clearly(verifier, heads, tmp_path):
+    other = tiny.write_model(tmp_path / "other", seed=7, layers=2, scale=1.5)
+    with pytest.raises(ondevice.OndeviceError, match="another verifier") as e:
+        ondevice.load(other, heads=heads)
+    assert str(heads / META) in str(e.value) and "ondevice distill --heads medusa" in str(e.value)
+    wide = tiny.write_model(tmp_path / "wide", layers=2, hidden_size=32, heads=2, kv_heads=1)
+    with pytest.raises(ondevice.OndeviceError, match="hidden size 64, this verifier's is 32"):
+        ondevice.load(wide, heads=heads)
+    with pytest.raises(ondevice.OndeviceError, match="not found"):
+        ondevice.load(verifier, heads=tmp_path / "nowhere")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / META).write_text("{not json")
+    (broken / WEIGHTS).write_bytes(b"")
+    with pytest.raises(ondevice.OndeviceError, match="not a readable Medusa heads description"):
+        ondevice.load(verifier, heads=broken)
+
+
+def test_without_heads_the_method_is_unavailable_and_says_how_to_train_them(
+    verifier, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    gen = ondevice.load(verifier)
+    with pytest.raises(Unavailable, match="ondevice distill --heads medusa"):
+        gen.generate("hi", max_tokens=4, method="medusa")
+    # heads in the cache are found without heads=...
+    write_heads(gen.verifier.model)
+    out = gen.generate("hello world", max_tokens=12, method="medusa")
+    assert out.tokens == gen.generate("hello world", max_tokens=12, speculative=False).tokens
+    assert out.stats["drafted"] > 0
+
+
+def test_cli_generate_takes_heads_and_method_medusa(verifier, heads):
+    run = [sys.executable, "-m", "ondevice", "generate", "--model", str(verifier)]
+    args = ["--prompt", "hello world", "--max-tokens", "12", "--json"]
+    plain = subprocess.run(run + args + ["--no-speculative"], capture_output=True, text=True)
+    spec = subprocess.run(
+        run + args + ["--heads", str(heads), "--method", "medusa"], capture_output=True, text=True
+    )
+    assert spec.returncode == 0, spec.stderr
+    assert json.loads(spec.stdout)["text"] == json.loads(plain.stdout)["text"]
+    assert json.loads(spec.stdout)["stats"]["rounds_by_method"].keys() == {"medusa"}
+
+
+def test_server_takes_method_medusa(verifier, heads):
+    gen = ondevice.load(verifier, heads=heads)
+    messages = [{"role": "user", "content": "hello there"}]
+    ref = gen.generate(messages, max_tokens=16, speculative=False)
+    with LiveServer(gen) as server:
+        resp = server.client().chat.completions.create(
+            model=gen.model_name, messages=messages, max_tokens=16, temperature=0,
+            extra_body={"method": "medusa"},
+        )  # fmt: skip
+    assert resp.choices[0].message.content == ref.text
+    assert resp.model_extra["ondevice"]["rounds_by_method"].keys() == {"medusa"}
+
+
+# -- training ---------------------------------------------------------------------------------------
+
+
+def test_distill_heads_trains_resumes_and_exports_heads_that_run(verifier, tmp_path):
+    docs = []
+    for i in range(30):  # small documents: --data first, then the packages' own text
+        f = tmp_path / f"doc{i}.txt"
+        f.write_text(("the cat sat on the mat. " * (i % 5 + 2)) + f"number {i} is here.\n")
+        docs.append(str(f))
+    out = tmp_path / "heads"
+    small = dict(
+        data_files=docs, num_heads=3, vocab=80, tokens=6000, seq_len=64, batch_size=64,
+        eval_every=10, checkpoint_every=10, learning_rate=3e-3, progress=False,
+    )  # fmt: skip
+    first = distill_heads(verifier, out, steps=30, **small)
+    losses = first["losses"]
+    assert first["step"] == 30 and np.mean(losses[-5:]) < np.mean(losses[:5])
+    assert first["held_out_loss"] < first["held_out_loss_start"]
+    assert len(first["head_agreement"]) == 3
+    assert first["documents"] > len(docs)  # the local text filled up --tokens
+    info = json.loads((out / META).read_text())
+    assert info["head_agreement"] == first["head_agreement"] and info["step"] == 30
+    with pytest.raises(ondevice.OndeviceError, match="--resume"):
+        distill_heads(verifier, out, steps=30, **small)
+    again = distill_heads(verifier, out, steps=40, resume=True, **small)
+    assert again["step"] == 40 and len(again["losses"]) == 10  # continued, not restarted
+    assert "head_agreement_start" not in again
+    gen = ondevice.load(verifier, heads=out)
+    for prompt in PROMPTS:
+        spec = gen.generate(prompt, max_tokens=16, method="medusa")
+        assert spec.tokens == gen.generate(prompt, max_tokens=16, speculative=False).tokens
+
+
+def test_cli_distill_heads(verifier, tmp_path):
+    doc = tmp_path / "d.txt"
+    doc.write_text("a b c d e f g. " * 40)
+    out = tmp_path / "h"
+    cmd = [sys.executable, "-m", "ondevice", "distill", "--heads", "medusa", "--verifier",
+           str(verifier), "-o", str(out), "--data", str(doc), "--tokens", "600", "--steps", "3",
+           "--seq-len", "32", "--batch-size", "16", "--num-heads", "2", "-q"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "held-out greedy agreement per head" in r.stdout
+    assert json.loads((out / META).read_text())["num_heads"] == 2
+
+
+def test_the_tree_holds_the_best_paths_by_the_product_of_head_probabilities(verifier, heads):
+    from ondevice.proposers.base import Verification, fixed_budget
+    from ondevice.proposers.medusa import MedusaProposer
+    from ondevice.rules.noise import PositionNoise
+
+    model = load_model(verifier).model
+    loaded, info = load_heads(heads, model)
+    prop = MedusaProposer(model, loaded, info, depth=2, budget=fixed_budget(5))
+    table = np.zeros((3, 96))
+    table[0, [10, 11, 12, 13]] = [0.5, 0.3, 0.15, 0.05]  # head 1
+    table[1, [20, 21, 22]] = [0.7, 0.25, 0.05]  # head 2
+    prop.head_probs = lambda state: table  # type: ignore[method-assign]
+    prop.reset([1, 2])
+    assert prop.propose([1, 2], 4, PositionNoise(0)).size == 0  # no state yet: a plain step
+    prop.state = np.zeros(model.config.hidden_size, np.float32)
+    tree = prop.propose([1, 2], 4, PositionNoise(0))
+    # by value: 10 (.5), 10-20 (.35), 11 (.3), 11-20 (.21), 12 (.15); then 10-21 (.125) ...
+    paths = sorted(tuple(tree.path_tokens(n)) for n in range(1, len(tree)))
+    assert paths == [(10,), (10, 20), (11,), (11, 20), (12,)]
+    assert all(d is None for draws in tree.draws for _, d in draws)  # deterministic draws
+    # a verification that accepts 10, 20 teaches the calibration and hands over the state
+    path = [tree.children[tree.children[0][10]][20]]
+    path.insert(0, tree.parents[path[0]])
+    hidden = np.ones((len(tree), model.config.hidden_size), np.float32)
+    prop.observe([1, 2], tree, Verification(path, 5, np.zeros(len(tree), int), hidden))
+    assert np.array_equal(prop.state, hidden[path[-1]])
+    assert prop.realised[1] == prop.realised[2] == 2
+    assert prop.predicted[1] == pytest.approx(1 + 0.95) and prop.predicted[2] == pytest.approx(1.56)
+
+
+def test_server_without_heads_answers_a_clear_error(verifier, tmp_path, monkeypatch):
+    import openai
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    gen = ondevice.load(verifier)
+    with LiveServer(gen) as server, pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(
+            model=gen.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            extra_body={"method": "medusa"},
+        )  # fmt: skip
+    assert "ondevice distill --heads medusa" in str(e.value)
