@@ -304,11 +304,8 @@ def distill_heads(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train Medusa heads for `verifier` into the folder `output`; returns the run's summary."""
-    from tqdm import tqdm
-
-    output = Path(output)
+    output, t0 = Path(output), time.time()
     work = work_folder(output, work_dir, resume)
-    t0 = time.time()
     teacher = load_teacher(verifier)
     tcfg = teacher.config
     vocab = min(vocab or tcfg.vocab_size, tcfg.vocab_size)
@@ -321,39 +318,16 @@ def distill_heads(
                "data": sorted(map(str, data_files or []))},
     )  # fmt: skip
     if resume:
-        old = checkpoint_config(work / CHECKPOINT)
-        if old is None:
-            raise OndeviceError(f"{work}: no checkpoint to resume from; run without --resume.")
-        for key in ("vocab", "seq_len", "extra"):
-            if old[key] != asdict(cfg)[key]:
-                raise OndeviceError(
-                    f"--resume: the checkpoint was made with {key}={old[key]!r}, not "
-                    f"{asdict(cfg)[key]!r}; pass the same options."
-                )
+        _check_resume(work, cfg)
     train_pieces, held_pieces, used = _pieces(teacher, data_files, tokens, seq_len)
-    n_tok = sum(len(p) for p in train_pieces) + sum(len(p) for p in held_pieces)
-    bar = tqdm(total=n_tok, unit="tok", desc="verifier states", disable=not progress,
-               dynamic_ncols=True)  # fmt: skip
-    hidden = work / "hidden"
-    done = sum(len(p) for p in _done_pieces(hidden, "train", train_pieces))
-    done += sum(len(p) for p in _done_pieces(hidden, "held", held_pieces))
-    bar.update(done)
-    train_paths = hidden_shards(teacher, hidden, "train", train_pieces, k=top_k, bar=bar)
-    held_paths = hidden_shards(teacher, hidden, "held", held_pieces, k=top_k, bar=bar)
-    bar.close()
+    train_paths, held_paths = _hidden_states(
+        teacher, work / "hidden", train_pieces, held_pieces, top_k, progress
+    )
     data_time = time.time() - t0
     train_pos, held_pos = Positions(train_paths, num_heads), Positions(held_paths, num_heads)
     model = teacher.model
     model.freeze()
-    recipe: dict[str, Any] = {
-        "verifier": str(verifier),
-        "data": (["--data"] if data_files else []) + ["site-packages .md/.rst/.txt/.py"],
-        "documents": len(used),
-        "train_tokens": int(sum(len(p) for p in train_pieces)),
-        "held_out_tokens": int(sum(len(p) for p in held_pieces)),
-        "top_k": top_k,
-        "train": {k: v for k, v in asdict(cfg).items() if k not in ("extra", "layers")},
-    }
+    recipe = _recipe(verifier, data_files, len(used), train_pieces, held_pieces, cfg)
     info = HeadsInfo(verifier_fingerprint(model), tcfg.hidden_size, num_heads, vocab)
 
     heads = identity_heads(tcfg.hidden_size, num_heads)
@@ -367,6 +341,67 @@ def distill_heads(
         summary["held_out_loss_start"], summary["head_agreement_start"] = evaluate_heads(
             heads, model, held_pos, vocab
         )
+
+    def checkpoint(step: int, seconds: float) -> None:
+        save_checkpoint(work / CHECKPOINT, heads, opt, step, seconds, cfg)  # type: ignore[arg-type]
+        summary.update(step=step, train_time_s=round(seconds, 1))
+        kept = {k: v for k, v in summary.items() if k != "losses"}
+        info.extra = {**recipe, **kept, "data_time_s": round(data_time, 1)}
+        save_heads(heads, info, output)
+
+    step = _train_loop(heads, opt, model, train_pos, held_pos, cfg, summary, checkpoint,
+                       step=step, elapsed=elapsed, progress=progress)  # fmt: skip
+    if "head_agreement" not in summary:
+        summary["held_out_loss"], summary["head_agreement"] = evaluate_heads(
+            heads, model, held_pos, vocab
+        )
+    checkpoint(step, summary.get("train_time_s", elapsed))
+    print(
+        f"use them with heads={str(output)!r} (--heads {output}), or copy {output} to "
+        f"{heads_cache_path(model)} where method 'medusa' finds them by itself",
+        file=sys.stderr,
+    )
+    return {**recipe, **summary, "data_time_s": round(data_time, 1)}
+
+
+def _recipe(
+    verifier: str | Path,
+    data_files: list[str] | None,
+    documents: int,
+    train_pieces: list[np.ndarray],
+    held_pieces: list[np.ndarray],
+    cfg: TrainConfig,
+) -> dict[str, Any]:
+    """What the heads were trained on and how, as heads.json records it."""
+    return {
+        "verifier": str(verifier),
+        "data": (["--data"] if data_files else []) + ["site-packages .md/.rst/.txt/.py"],
+        "documents": documents,
+        "train_tokens": int(sum(len(p) for p in train_pieces)),
+        "held_out_tokens": int(sum(len(p) for p in held_pieces)),
+        "top_k": cfg.extra["top_k"],
+        "train": {k: v for k, v in asdict(cfg).items() if k not in ("extra", "layers")},
+    }
+
+
+def _train_loop(
+    heads: MedusaHeads,
+    opt: optim.Optimizer,
+    model: Any,
+    train_pos: Positions,
+    held_pos: Positions,
+    cfg: TrainConfig,
+    summary: dict[str, Any],
+    checkpoint: Any,
+    *,
+    step: int,
+    elapsed: float,
+    progress: bool,
+) -> int:
+    """Train `heads` from `step` until `cfg`'s steps or minutes run out: one compiled AdamW step
+    per batch, held-out agreement every `eval_every` steps into `summary`, `checkpoint(step,
+    seconds)` every `checkpoint_every` and at the end. Returns the last step."""
+    vocab, minutes = cfg.vocab, cfg.minutes
     loss_grad = nn.value_and_grad(heads, partial(heads_loss, teacher=model, vocab=vocab))
     state = [heads.state, opt.state]
 
@@ -384,42 +419,62 @@ def distill_heads(
     def finished() -> bool:
         return step >= cfg.steps or bool(minutes and time.time() - start >= minutes * 60)
 
-    def checkpoint() -> None:
-        save_checkpoint(work / CHECKPOINT, heads, opt, step, time.time() - start, cfg)  # type: ignore[arg-type]
-        summary.update(step=step, train_time_s=round(time.time() - start, 1))
-        kept = {k: v for k, v in summary.items() if k != "losses"}
-        info.extra = {**recipe, **kept, "data_time_s": round(data_time, 1)}
-        save_heads(heads, info, output)
-
     while not finished():
         opt.learning_rate = schedule(cfg, step, time.time() - start)
-        loss, agree = train_step(*train_pos.batch(step, batch_size, seed))
+        loss, agree = train_step(*train_pos.batch(step, cfg.batch_size, cfg.seed))
         mx.eval(loss, agree, state)
         step += 1
         ema = float(loss) if ema is None else 0.9 * ema + 0.1 * float(loss)
         tbar.update(min(int(time.time() - start), tbar.total) - tbar.n if minutes else 1)
-        if step % eval_every == 0 or finished():
+        if step % cfg.eval_every == 0 or finished():
             summary["held_out_loss"], acc = evaluate_heads(heads, model, held_pos, vocab)
             summary["head_agreement"] = acc
         post = {"step": step, "loss": f"{ema:.3f}"}
         if acc is not None:
             post["agree"] = "/".join(f"{a:.2f}" for a in acc)
         tbar.set_postfix(post, refresh=False)
-        if step % checkpoint_every == 0 or finished():
-            checkpoint()
+        if step % cfg.checkpoint_every == 0 or finished():
+            checkpoint(step, time.time() - start)
         summary.setdefault("losses", []).append(round(float(loss), 4))
     tbar.close()
-    if "head_agreement" not in summary:
-        summary["held_out_loss"], summary["head_agreement"] = evaluate_heads(
-            heads, model, held_pos, vocab
-        )
-    checkpoint()
-    print(
-        f"use them with heads={str(output)!r} (--heads {output}), or copy {output} to "
-        f"{heads_cache_path(model)} where method 'medusa' finds them by itself",
-        file=sys.stderr,
-    )
-    return {**recipe, **summary, "data_time_s": round(data_time, 1)}
+    return step
+
+
+def _check_resume(work: Path, cfg: TrainConfig) -> None:
+    """Refuse a --resume whose checkpoint was made with other options (or is missing)."""
+    old = checkpoint_config(work / CHECKPOINT)
+    if old is None:
+        raise OndeviceError(f"{work}: no checkpoint to resume from; run without --resume.")
+    for key in ("vocab", "seq_len", "extra"):
+        if old[key] != asdict(cfg)[key]:
+            raise OndeviceError(
+                f"--resume: the checkpoint was made with {key}={old[key]!r}, not "
+                f"{asdict(cfg)[key]!r}; pass the same options."
+            )
+
+
+def _hidden_states(
+    teacher: Any,
+    hidden: Path,
+    train_pieces: list[np.ndarray],
+    held_pieces: list[np.ndarray],
+    top_k: int,
+    progress: bool,
+) -> tuple[list[Path], list[Path]]:
+    """The verifier's hidden states and top-k targets over both splits, computed once into
+    shards under `hidden` (a rerun starts where the last stopped), with a progress bar."""
+    from tqdm import tqdm
+
+    n_tok = sum(len(p) for p in train_pieces) + sum(len(p) for p in held_pieces)
+    bar = tqdm(total=n_tok, unit="tok", desc="verifier states", disable=not progress,
+               dynamic_ncols=True)  # fmt: skip
+    done = sum(len(p) for p in _done_pieces(hidden, "train", train_pieces))
+    done += sum(len(p) for p in _done_pieces(hidden, "held", held_pieces))
+    bar.update(done)
+    train_paths = hidden_shards(teacher, hidden, "train", train_pieces, k=top_k, bar=bar)
+    held_paths = hidden_shards(teacher, hidden, "held", held_pieces, k=top_k, bar=bar)
+    bar.close()
+    return train_paths, held_paths
 
 
 def _done_pieces(folder: Path, name: str, pieces: list[np.ndarray]) -> list[np.ndarray]:
