@@ -172,8 +172,9 @@ def served_pair(tmp_path_factory):
 
 
 def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, monkeypatch):
-    monkeypatch.setenv(kernel.ENV, "auto")
+    monkeypatch.delenv(kernel.ENV, raising=False)  # by default, where oneDNN loads
     gen = ondevice.load(*served_pair)
+    assert gen.verifier.batch_invariant
     for model in (gen._pair.verifier.model, gen._pair.draft.model):
         assert isinstance(model.layers[0].self_attn.o_proj, kernel.KernelLinear)
     monkeypatch.setenv(kernel.ENV, "mlx")
@@ -183,12 +184,30 @@ def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, 
 
 @pytest.mark.parametrize("k", [None, 1, 3, 7])
 def test_greedy_speculative_equals_plain_with_the_kernel(served_pair, k, monkeypatch):
-    monkeypatch.setenv(kernel.ENV, "auto")
+    monkeypatch.delenv(kernel.ENV, raising=False)
     gen = ondevice.load(*served_pair)
     for prompt in ("hello world", "the quick brown fox", "mixed CASE"):
         plain = gen.generate(prompt, max_tokens=32, speculative=False)
         spec = gen.generate(prompt, max_tokens=32, num_draft_tokens=k)
         assert spec.tokens == plain.tokens, (prompt, k)
+
+
+def test_without_onednn_the_default_keeps_mlxs_products(served_pair, monkeypatch):
+    """Where the wheel is missing (Linux arm64, say) the default falls back, and says why."""
+    from ondevice.apps import doctor
+
+    monkeypatch.delenv(kernel.ENV, raising=False)
+    monkeypatch.setattr(kernel, "_dnnl", None)
+    monkeypatch.setattr(kernel, "_unavailable", None)
+    monkeypatch.setattr(kernel, "_library", lambda: None)
+    assert kernel.choice() == "mlx" and kernel.weight_dtype() is None
+    gen = ondevice.load(*served_pair)
+    assert type(gen._pair.verifier.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert not gen.verifier.batch_invariant
+    assert (
+        f"kernel      mlx (MLX's own products: oneDNN is not installed (pip install {kernel.DIST}))"
+        in (doctor.render(doctor.collect()))
+    )
 
 
 def test_bad_choices_are_named(monkeypatch):
