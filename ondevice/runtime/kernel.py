@@ -558,6 +558,7 @@ def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
     ]
     for module, names in groups:
         _join(module, names, kind)
+        _release()
     del groups
     # The embedding too where it is tied (it is the head) or in bf16 (half the memory, the same
     # rows for every pass); an untied float32 one gains nothing from the kernel.
@@ -588,5 +589,27 @@ def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
             m.threads = threads
         if hasattr(m, "attend"):
             m.attend = attention
-    mx.clear_cache()  # hand the float32 weights' memory back, not to MLX's buffer cache
+    _release()
     return kind
+
+
+def _release() -> None:
+    """Hand the memory of replaced weights back to the system: out of MLX's buffer cache, and
+    out of the C heap, where glibc keeps freed blocks below its (adaptive, up to 32 MB) mmap
+    threshold resident until trimmed, so that the parts of a joined product would otherwise
+    stay in the process beside the joint copy."""
+    mx.clear_cache()
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+def _glibc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        return libc
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+_libc = _glibc() if sys.platform.startswith("linux") else None
