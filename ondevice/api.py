@@ -683,10 +683,11 @@ def load(
     dtype: "float32", "float16" or "bfloat16" for the weights (None: as stored).
     quantize: 4 or 8 bits for the verifier's weights (None: as stored).
 
-    dequantize: expand quantized weights to float32 on load. Default: only where MLX runs on
-    the CPU (Linux), because there its quantized matmul costs grow with every token of a
-    verification block while a float32 GEMM (OpenBLAS) verifies 8 tokens for little more than
-    one (measured in docs/benchmarks.md). On Apple GPUs quantized weights stay quantized.
+    dequantize: expand quantized weights on load. Default: only where MLX runs on the CPU
+    (Linux), because there its quantized matmul costs grow with every token of a verification
+    block. The expanded products then go to the CPU kernel where oneDNN loads (bf16 weights,
+    flat passes, batch-invariant; runtime/kernel.py, `ONDEVICE_KERNEL`), else to MLX's float32
+    BLAS (measured in docs/benchmarks.md). On Apple GPUs quantized weights stay quantized.
 
     prompt_cache: a file written by `ondevice cache-prompt` (`Generator.save_prompt_cache`):
     prompts that begin with its tokens start from its KV. prompt_cache_bytes: memory for the

@@ -12,6 +12,7 @@ from tiny import perturbed_copy, write_model
 
 from ondevice.apps.cli import main
 from ondevice.errors import OndeviceError
+from ondevice.runtime import kernel
 from ondevice.speedtest import builtin_prompts_path, read_prompts
 from ondevice.speedtest.peers import mlx_lm_rounds
 
@@ -111,8 +112,11 @@ def test_bench_writes_json_and_png(pair, prompts, tmp_path, capsys):
     assert w >= 800 and h >= 500 and png.stat().st_size > 20_000
 
 
-def test_peers_mlx_lm(pair, prompts, tmp_path):
+def test_peers_mlx_lm(pair, prompts, tmp_path, monkeypatch):
     pytest.importorskip("mlx_lm")
+    # mlx-lm computes with MLX's float32 products: ondevice's plain tokens equal its own only
+    # where ondevice's are MLX's too, not the CPU kernel's bf16 ones (runtime/kernel.py)
+    monkeypatch.setenv(kernel.ENV, "mlx")
     out = tmp_path / "r.json"
     plot = tmp_path / "chart.png"
     rc = bench(
@@ -136,7 +140,9 @@ def test_peers_mlx_lm(pair, prompts, tmp_path):
 
 def test_mlx_lm_at_each_fixed_k_and_the_pipeline(pair, prompts, tmp_path, capsys):
     """--peer-draft-tokens runs mlx-lm's speculative decoding once per K (the best one named in
-    the summary); "pipeline" is the chain with pipeline=True, lossless like every method."""
+    the summary); "pipeline" is the chain with pipeline=True, lossless like every method. With
+    the default products (the CPU kernel's where it serves) mlx-lm gets the very weights in its
+    own layout; its plain tokens are checked against ondevice's only where both use MLX's."""
     pytest.importorskip("mlx_lm")
     out = tmp_path / "r.json"
     args = ("--peers", "mlx-lm", "--peer-draft-tokens", "1,4", "--methods", "chain,pipeline,auto")
@@ -144,6 +150,9 @@ def test_mlx_lm_at_each_fixed_k_and_the_pipeline(pair, prompts, tmp_path, capsys
     r = json.loads(out.read_text())
     runs = ["plain", "chain", "pipeline", "auto", "mlx-lm", "mlx-lm-spec:1", "mlx-lm-spec:4"]
     assert r["settings"]["methods"] == runs
+    peer_plain = [x for x in r["records"] if x["method"] == "mlx-lm"]
+    served = kernel.choice() != "mlx"
+    assert all((x["reference"] is None) is served for x in peer_plain)
     for k in (1, 4):
         recs = [x for x in r["records"] if x["method"] == f"mlx-lm-spec:{k}"]
         assert len(recs) == 4 and all(x["num_draft_tokens"] == k for x in recs)

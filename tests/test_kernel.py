@@ -14,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import tiny
+from mlx.utils import tree_flatten
 from support.engines import TimedEngine
 
 import ondevice
@@ -74,7 +75,8 @@ def test_a_rows_logits_do_not_depend_on_the_pass_size(
     monkeypatch.setattr(kernel, "KEY_BLOCK", key_block)
     model = _served(tiny.write_model(tmp_path / arch, arch=arch, tie=tie, scale=1.5), kind)
     assert kernel.batch_invariant(model) and MLXEngine(model).batch_invariant
-    if tie:
+    # a tied embedding is the head; an untied one is kept in bf16 too (half the memory)
+    if tie or kind == "bf16":
         assert isinstance(model.model.embed_tokens, kernel.KernelEmbedding)
     prompt = mx.array([5, 9, 14, 3, 22, 7, 11, 40])
     tokens = [int(t) for t in np.random.default_rng(0).integers(5, 90, 24)]
@@ -149,6 +151,19 @@ def test_a_truncated_head_is_served_by_the_kernel(tmp_path, tie):
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_served_models_plain_parameters_are_its_values_in_mlxs_layout(tmp_path, kind):
+    """What `--peers mlx-lm` is handed: nn.Linear's names, the kernel's weights widened."""
+    path = tiny.write_model(tmp_path / "m", arch="qwen2", tie=False, scale=1.5)
+    original = dict(tree_flatten(load_model(path, dequantize=True).model.parameters()))
+    got = kernel.plain_parameters(_served(path, kind))
+    assert got.keys() == original.keys()
+    for name, want in original.items():
+        if kind == "bf16" and weights.is_product_weight(name):
+            want = want.astype(mx.bfloat16).astype(mx.float32)
+        assert got[name].dtype == mx.float32 and np.array_equal(np.array(got[name]), np.array(want))
+
+
 @pytest.fixture(scope="module")
 def served_pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("kpair")
@@ -157,8 +172,9 @@ def served_pair(tmp_path_factory):
 
 
 def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, monkeypatch):
-    monkeypatch.setenv(kernel.ENV, "auto")
+    monkeypatch.delenv(kernel.ENV, raising=False)  # by default, where oneDNN loads
     gen = ondevice.load(*served_pair)
+    assert gen.verifier.batch_invariant
     for model in (gen._pair.verifier.model, gen._pair.draft.model):
         assert isinstance(model.layers[0].self_attn.o_proj, kernel.KernelLinear)
     monkeypatch.setenv(kernel.ENV, "mlx")
@@ -168,12 +184,30 @@ def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, 
 
 @pytest.mark.parametrize("k", [None, 1, 3, 7])
 def test_greedy_speculative_equals_plain_with_the_kernel(served_pair, k, monkeypatch):
-    monkeypatch.setenv(kernel.ENV, "auto")
+    monkeypatch.delenv(kernel.ENV, raising=False)
     gen = ondevice.load(*served_pair)
     for prompt in ("hello world", "the quick brown fox", "mixed CASE"):
         plain = gen.generate(prompt, max_tokens=32, speculative=False)
         spec = gen.generate(prompt, max_tokens=32, num_draft_tokens=k)
         assert spec.tokens == plain.tokens, (prompt, k)
+
+
+def test_without_onednn_the_default_keeps_mlxs_products(served_pair, monkeypatch):
+    """Where the wheel is missing (Linux arm64, say) the default falls back, and says why."""
+    from ondevice.apps import doctor
+
+    monkeypatch.delenv(kernel.ENV, raising=False)
+    monkeypatch.setattr(kernel, "_dnnl", None)
+    monkeypatch.setattr(kernel, "_unavailable", None)
+    monkeypatch.setattr(kernel, "_library", lambda: None)
+    assert kernel.choice() == "mlx" and kernel.weight_dtype() is None
+    gen = ondevice.load(*served_pair)
+    assert type(gen._pair.verifier.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert not gen.verifier.batch_invariant
+    assert (
+        f"kernel      mlx (MLX's own products: oneDNN is not installed (pip install {kernel.DIST}))"
+        in (doctor.render(doctor.collect()))
+    )
 
 
 def test_bad_choices_are_named(monkeypatch):
@@ -214,9 +248,13 @@ def test_the_draft_catches_up_in_one_call_per_round_where_it_is_batch_invariant(
 def test_doctor_names_the_kernel(monkeypatch):
     from ondevice.apps import doctor
 
-    assert "kernel      mlx (MLX's own products: the default" in doctor.render(doctor.collect())
+    monkeypatch.delenv(kernel.ENV, raising=False)  # the default serves where it can
+    line = "kernel      oneDNN bf16 weights, bf16 dot products, serves the verifier (the default)"
+    if "bf16" not in KINDS:
+        line = "kernel      oneDNN f32 weights, float32, serves the verifier (the default)"
+    assert line in doctor.render(doctor.collect())
     monkeypatch.setenv(kernel.ENV, "auto")
-    assert "kernel      oneDNN" in doctor.render(doctor.collect())
+    assert "serves the verifier (ONDEVICE_KERNEL=auto)" in doctor.render(doctor.collect())
     monkeypatch.setenv(kernel.ENV, "mlx")
     report = doctor.collect()
     assert report["kernel"] == {"kernel": "mlx", "env": "mlx", "reason": "ONDEVICE_KERNEL=mlx"}
@@ -253,9 +291,10 @@ def test_weights_read_in_the_kernels_dtype_compute_what_converted_ones_do(
     assert layer.mlp.down_proj.weight.dtype == mx.bfloat16
     assert layer.input_layernorm.weight.dtype == mx.float32
     assert loaded.model.norm.weight.dtype == mx.float32
-    tied = loaded.config.tie_word_embeddings
-    assert (loaded.model.embed_tokens.weight.dtype == mx.bfloat16) is tied
+    # the embedding too, tied or not: its rows are widened to float32 when looked up
+    assert loaded.model.embed_tokens.weight.dtype == mx.bfloat16
     kernel.serve(loaded, "bf16")
+    assert isinstance(loaded.model.embed_tokens, kernel.KernelEmbedding)
     assert kernel.batch_invariant(loaded)
     tokens = mx.array([5, 9, 14, 3, 22, 7, 11, 40])
     assert np.array_equal(np.array(loaded(tokens)), np.array(converted(tokens)))

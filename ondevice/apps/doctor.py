@@ -209,10 +209,12 @@ def _kernel() -> dict[str, Any]:
 
 
 def _kernel_line(k: dict[str, Any]) -> str:
+    """What serves the verifier's (and an MLX draft's) linear products."""
     if k["kernel"] == "mlx":
         return f"mlx (MLX's own products: {k['reason']})"
     dots = "bf16 dot products" if k["kernel"] == "bf16" else "float32"
-    return f"oneDNN {k['kernel']} weights, {dots} ({k['library']})"
+    how = "ONDEVICE_KERNEL=" + k["env"] if k.get("env") else "the default"
+    return f"oneDNN {k['kernel']} weights, {dots}, serves the verifier ({how}) ({k['library']})"
 
 
 def _mapped_libraries() -> list[str]:

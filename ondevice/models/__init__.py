@@ -54,7 +54,7 @@ def load_model(
     """Load a model from a local HF folder, a GGUF file, a cached name or a hub id.
 
     dequantize: expand quantized weights (GGUF Q4/Q8, MLX-quantized folders) to float32.
-    product_dtype: with `dequantize`, the dtype of the weights that multiply activations
+    product_dtype: with `dequantize`, the dtype of the linear layers' weights and the embedding
     instead (the CPU kernel's `bfloat16`), rounded tensor by tensor as they are read.
     """
     from ondevice.models.weights import build_model, read_safetensors_dir

@@ -286,8 +286,8 @@ def load_gguf(
     Q5_0, ...) are dequantized by the `gguf` package; `dequantize=True` keeps those floats
     exactly, otherwise they are requantized to MLX's affine format (same bits, groups of 32) so
     the weights stay small where MLX runs quantized (Apple GPUs, bundles on disk).
-    product_dtype: the dtype of the expanded weights that multiply activations (the CPU
-    kernel's bfloat16, `weights.is_product_weight`), rounded one tensor at a time.
+    product_dtype: the dtype of the expanded linear weights and embedding (the CPU kernel's
+    bfloat16, `weights.is_product_weight`), rounded one tensor at a time.
     """
     path = Path(path)
     source = str(path)
@@ -414,7 +414,7 @@ def _load_dequantized(
                 weights[f"{hf}.scales"] = scales.astype(mx.float16)
                 weights[f"{hf}.biases"] = biases.astype(mx.float16)
                 quant[hf] = {"group_size": GROUP_SIZE, "bits": bits}
-            elif product_dtype and is_product_weight(f"{hf}.{kind}", cfg.tie_word_embeddings):
+            elif product_dtype and is_product_weight(f"{hf}.{kind}"):
                 weights[f"{hf}.{kind}"] = w.astype(DTYPES[product_dtype])
             else:
                 weights[f"{hf}.{kind}"] = w

@@ -26,12 +26,11 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 EXPAND_BYTES = 64 << 20
 
 
-def is_product_weight(name: str, tied: bool) -> bool:
-    """Whether the tensor `name` multiplies activations: a linear layer's weight, or the
-    embedding where the head is tied to it (the CPU kernel keeps these in its own dtype)."""
-    return name.endswith(("_proj.weight", "lm_head.weight")) or (
-        tied and name.endswith("embed_tokens.weight")
-    )
+def is_product_weight(name: str) -> bool:
+    """Whether the CPU kernel keeps the tensor `name` in its own dtype: a linear layer's weight
+    (the head's included) or the embedding, whose rows it looks up and widens to float32 (and
+    multiplies activations by, where the head is tied to it)."""
+    return name.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))
 
 
 def read_safetensors_dir(path: Path) -> dict[str, mx.array]:
@@ -81,7 +80,6 @@ def expand_quantized(
     weights: dict[str, mx.array],
     quant: dict[str, Any] | None,
     product_dtype: mx.Dtype | None = None,
-    tied: bool = False,
     release: bool = False,
 ) -> dict[str, mx.array]:
     """All weights in float32, quantized layers expanded by MLX's own kernels, evaluated one
@@ -89,7 +87,7 @@ def expand_quantized(
 
     `quant` is a config's `quantization` entry: defaults (`group_size`, `bits`) and/or per-layer
     overrides keyed by layer path. A layer is quantized when its `.scales` tensor is present.
-    product_dtype: the dtype of the weights that multiply activations (`is_product_weight`),
+    product_dtype: the dtype of the linear weights and the embedding (`is_product_weight`),
     rounded from float32 one tensor at a time, so that a float32 copy of the whole model never
     exists (the CPU kernel's bfloat16). release: take each tensor out of `weights` once
     expanded, so that a lazily read file (`mx.load`) is never resident whole beside its
@@ -119,11 +117,11 @@ def expand_quantized(
                     q["group_size"],
                     q["bits"],
                 )
-                parts.append(_rounded(name, part, product_dtype, tied))
+                parts.append(_rounded(name, part, product_dtype))
                 mx.eval(parts[-1])
             w = parts[0] if len(parts) == 1 else mx.concatenate(parts)
             del parts
-        out[name] = _rounded(name, w, product_dtype, tied)
+        out[name] = _rounded(name, w, product_dtype)
         mx.eval(out[name])
         if release:
             del w
@@ -133,9 +131,9 @@ def expand_quantized(
     return out
 
 
-def _rounded(name: str, w: mx.array, product_dtype: mx.Dtype | None, tied: bool) -> mx.array:
+def _rounded(name: str, w: mx.array, product_dtype: mx.Dtype | None) -> mx.array:
     w = w.astype(mx.float32)
-    return w.astype(product_dtype) if product_dtype and is_product_weight(name, tied) else w
+    return w.astype(product_dtype) if product_dtype and is_product_weight(name) else w
 
 
 def build_model(
@@ -151,7 +149,7 @@ def build_model(
     """A model with `weights` loaded, checked tensor by tensor against the config.
 
     dequantize: expand quantized layers to float (float32 unless `dtype` says otherwise).
-    product_dtype: with `dequantize`, the dtype of the weights that multiply activations
+    product_dtype: with `dequantize`, the dtype of the linear weights and the embedding
     (`is_product_weight`; the CPU kernel's bfloat16), converted tensor by tensor; tensors
     already in it (a GGUF file's, `load_gguf`) stay so.
     """
@@ -159,17 +157,11 @@ def build_model(
     keep = DTYPES[product_dtype] if product_dtype and dequantize else None
 
     def kept(name: str, w: mx.array) -> bool:  # a float32 (or already rounded) product weight
-        return (
-            keep is not None
-            and w.dtype in (mx.float32, keep)
-            and is_product_weight(name, cfg.tie_word_embeddings)
-        )
+        return keep is not None and w.dtype in (mx.float32, keep) and is_product_weight(name)
 
     if dequantize and cfg.quantization:
         # `weights` is this function's own dict (filtered above): let each tensor go as expanded
-        weights = expand_quantized(
-            weights, cfg.quantization, keep, cfg.tie_word_embeddings, release=True
-        )
+        weights = expand_quantized(weights, cfg.quantization, keep, release=True)
         cfg.quantization = None
         dtype = dtype or "float32"
     if cfg.tie_word_embeddings:
@@ -285,8 +277,11 @@ def quantization_config(model: Model) -> dict[str, Any] | None:
     return q
 
 
-def save_model(model: Model, path: str | Path) -> None:
-    """Write config.json and model.safetensors (HF names), readable by ondevice and mlx_lm."""
+def save_model(
+    model: Model, path: str | Path, parameters: dict[str, mx.array] | None = None
+) -> None:
+    """Write config.json and model.safetensors (HF names), readable by ondevice and mlx_lm.
+    parameters: the tensors to write (default: the model's own)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config
@@ -295,6 +290,6 @@ def save_model(model: Model, path: str | Path) -> None:
     (path / "config.json").write_text(json.dumps(d, indent=1))
     mx.save_safetensors(
         str(path / "model.safetensors"),
-        dict(tree_flatten(model.parameters())),
+        parameters if parameters is not None else dict(tree_flatten(model.parameters())),
         metadata={"format": "mlx"},
     )

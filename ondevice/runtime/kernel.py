@@ -32,11 +32,22 @@ check that its rows equal the small passes' too. Attention's products go through
 so `serve` also swaps in `attention`, whose products have one shape per row whatever the pass;
 a served model then declares `batch_invariant` (runtime/engines.py).
 
-Memory: a loader that is told `weight_dtype()` (`ondevice.load` does) rounds each product
-weight to bfloat16 as it reads it (models/weights.py), so no float32 copy of the model exists.
+Memory: a loader that is told `weight_dtype()` (`ondevice.load` does) rounds each linear weight
+and the embedding to bfloat16 as it reads it (models/weights.py), so no float32 copy of the
+model exists; an untied embedding's looked-up rows are widened to float32 (`KernelEmbedding`).
 
-`ONDEVICE_KERNEL` chooses: `auto` (default: bf16 where the CPU has AVX512-BF16, else float32),
-`bf16`, `f32` (both through oneDNN) or `mlx` (MLX's own products: the path before this kernel).
+`ONDEVICE_KERNEL` chooses: `auto` (the default: bf16 where the CPU has AVX512-BF16, else
+float32; MLX's own products where oneDNN cannot be loaded), `bf16`, `f32` (both through oneDNN)
+or `mlx` (MLX's own products, MKL or OpenBLAS: the path before this kernel).
+
+Which tokens: the kernel serves by default wherever it can (Linux x86_64 with the
+`onednn-cpu-gomp` wheel loadable, MLX on the CPU). With bf16 weights and bf16 dot products a
+model's logits are not those of the same weights in float32, so a near-tied greedy token may
+differ from mlx-lm's (which computes in float32 on the CPU) or from a float32 reference. What
+stays exact is the project's contract: plain, speculative, tree and pipelined decoding of one
+loaded pair give bitwise-identical greedy tokens, because every product is the kernel's and is
+batch-invariant. Comparisons with mlx-lm's float32 tokens (`ondevice bench --peers mlx-lm`, the
+tests that check them) use `ONDEVICE_KERNEL=mlx`, or compare with this kernel's plain decoding.
 """
 
 from __future__ import annotations
@@ -52,13 +63,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 ENV = "ONDEVICE_KERNEL"
 CHOICES = ("auto", "bf16", "f32", "mlx")
-# Opt-in for now (ONDEVICE_KERNEL=auto): with bfloat16 weights a model's tokens are no longer
-# those of the same weights in float32 (mlx-lm's), which tests and `--peers mlx-lm` compare
-# with; making it the default needs those to pin ONDEVICE_KERNEL=mlx (docs/benchmarks.md).
-DEFAULT = "mlx"
+DEFAULT = "auto"  # see "Which tokens" above
 DIST = "onednn-cpu-gomp"  # oneDNN's CPU build with GNU OpenMP: needs only libgomp
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformer.py's
 ROWS = 16  # every product runs at this many rows (see "Batch invariance" above)...
@@ -289,13 +298,12 @@ def status() -> dict[str, Any]:
     out: dict[str, Any] = {"kernel": kind, "env": os.environ.get(ENV)}
     if kind == "mlx":
         asked = os.environ.get(ENV, "").strip().lower()
-        out["reason"] = (
-            f"{ENV}=mlx"
-            if asked == "mlx"
-            else f"the default; {ENV}=auto serves them through oneDNN"
-            if not asked and mx.default_device() == mx.cpu and _open() is not None
-            else (_unavailable or "MLX runs on the GPU")
-        )
+        if asked == "mlx":
+            out["reason"] = f"{ENV}=mlx"
+        elif mx.default_device() != mx.cpu:
+            out["reason"] = "MLX runs on the GPU"
+        else:
+            out["reason"] = str(_unavailable)
     else:
         out["library"] = str(_library())
         out["bf16_dot_products"] = cpu_has_bf16()
@@ -439,8 +447,10 @@ class KernelPart(nn.Module):
 
 
 class KernelEmbedding(KernelLinear):
-    """A tied embedding kept once, in the kernel's dtype: MLX looks tokens up in it (exact in
-    float32) and the kernel computes the logits over the same buffer (`as_linear`)."""
+    """The embedding in the kernel's dtype: MLX looks tokens up in it and widens the rows to
+    float32 (exact), and where the head is tied to it the kernel computes the logits over the
+    same buffer (`as_linear`), so a tied matrix is kept once. An untied bf16 embedding takes
+    half the memory of a float32 one; plain and speculative decoding look up the same rows."""
 
     def __init__(self, weight: mx.array, kind: str):
         super().__init__(weight, None, kind)
@@ -471,8 +481,28 @@ def _join(module: nn.Module, names: tuple[str, ...], kind: str) -> None:
         lo += size
 
 
+def plain_parameters(model: nn.Module) -> dict[str, mx.array]:
+    """A model's parameters under `nn.Linear`'s names: for tools that read the model's own
+    layout (mlx-lm, `--peers mlx-lm`). A served model's joint products are split back into their
+    parts and the kernel's bf16 weights widened to float32 (exactly): the very values it
+    computes with, in the layout and precision MLX's own CPU products take. Any other model's
+    parameters are its own."""
+    out = {k: v for k, v in tree_flatten(model.parameters()) if ".joint." not in k}
+    for path, m in model.named_modules():
+        if path.endswith("joint"):  # a joint product (`KernelPart`), split below
+            continue
+        if isinstance(m, KernelPart):
+            j = m._joint
+            out[f"{path}.weight"] = j.weight[m._lo : m._hi].astype(mx.float32)
+            if "bias" in j:
+                out[f"{path}.bias"] = j.bias[m._lo : m._hi]
+        elif isinstance(m, KernelLinear):
+            out[f"{path}.weight"] = m.weight.astype(mx.float32)
+    return out
+
+
 def weight_dtype(kind: str | None = None) -> str | None:
-    """The dtype a loader should give the weights that multiply activations, so that `serve`
+    """The dtype a loader should give the linear weights and the embedding, so that `serve`
     finds them converted (`bfloat16`) and no float32 copy of the whole model is ever made;
     None where they stay float32 (or the kernel does not serve)."""
     return "bfloat16" if (kind or choice()) == "bf16" else None
@@ -528,14 +558,19 @@ def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
     ]
     for module, names in groups:
         _join(module, names, kind)
+        _release()
     del groups
+    # The embedding too where it is tied (it is the head) or in bf16 (half the memory, the same
+    # rows for every pass); an untied float32 one gains nothing from the kernel.
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    embedding = tied or kind == "bf16"
     # Paths first, then one layer at a time, so that each float32 weight is freed as soon as
     # its replacement exists (peak memory: the model plus one layer, not two models).
     paths = [
         p
         for p, m in model.named_modules()
-        if (type(m) is nn.Linear or (tied and type(m) is nn.Embedding)) and m.weight.dtype in ours
+        if (type(m) is nn.Linear or (embedding and type(m) is nn.Embedding))
+        and m.weight.dtype in ours
     ]
     for path in paths:
         *parents, last = path.split(".")
@@ -554,5 +589,27 @@ def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
             m.threads = threads
         if hasattr(m, "attend"):
             m.attend = attention
-    mx.clear_cache()  # hand the float32 weights' memory back, not to MLX's buffer cache
+    _release()
     return kind
+
+
+def _release() -> None:
+    """Hand the memory of replaced weights back to the system: out of MLX's buffer cache, and
+    out of the C heap, where glibc keeps freed blocks below its (adaptive, up to 32 MB) mmap
+    threshold resident until trimmed, so that the parts of a joined product would otherwise
+    stay in the process beside the joint copy."""
+    mx.clear_cache()
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+def _glibc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        return libc
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+_libc = _glibc() if sys.platform.startswith("linux") else None

@@ -5,6 +5,10 @@ with `save_model` to a temporary folder, so it runs exactly the same (possibly q
 tensors whatever the source was: a bundle, an HF folder, or a GGUF file mlx_lm cannot read.
 Its token loop (`generate_step`, `speculative_generate_step`) is driven directly, with ondevice's
 EOS set and max_tokens, and its tokens pass through ondevice's detokenizer like ondevice's own.
+Where the CPU kernel serves ondevice's products (Linux, runtime/kernel.py), mlx-lm gets the
+kernel's bf16 weights widened to float32 and computes in float32 with MLX's products, so its
+greedy tokens may part from ondevice's at a near tie; its speculative tokens still must equal
+its plain ones.
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ class MlxLmPeer:
                 "--peers mlx-lm needs the mlx-lm package: pip install mlx-lm"
             ) from None
         from ondevice.models.weights import save_model
+        from ondevice.runtime.kernel import serves
 
+        # mlx-lm computes with MLX's own products: ondevice too, unless the CPU kernel serves
+        self.same_products = not serves(verifier_model)
         self._plain_step = generate_step
         self._spec_step = speculative_generate_step
         self.ks = tuple(dict.fromkeys(ks))
@@ -109,7 +116,9 @@ class MlxLmPeer:
 
 
 def _load(save_model, load_model, model, path: Path):
-    save_model(model, path)
+    from ondevice.runtime.kernel import plain_parameters
+
+    save_model(model, path, plain_parameters(model))  # the CPU kernel's too, in MLX's layout
     try:
         loaded, _ = load_model(path)
     except Exception as e:  # a layout mlx_lm does not know: say which, skip nothing silently

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import mlx.core as mx
 import numpy as np
 
 from ondevice.proposers.base import Verification
@@ -57,4 +58,4 @@ def build(res: Resources, spec: Speculation) -> HiddenHeadProposer:
     """The registry's builder: the head from the verifier's output layer (tied or not)."""
     model = res.verifier.model  # type: ignore[attr-defined]
     layer = getattr(model, "lm_head", None) or model.model.embed_tokens
-    return HiddenHeadProposer(np.array(layer.weight, np.float32).T)
+    return HiddenHeadProposer(np.array(layer.weight.astype(mx.float32)).T)  # bf16: the CPU kernel's
