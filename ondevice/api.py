@@ -661,6 +661,36 @@ def _check_load_arguments(
         raise OndeviceError(f"unknown dtype {dtype!r}; choose float32, float16 or bfloat16.")
 
 
+def _load_pair(path: Path, draft: str | Path | None, quantize: int | None, opts: dict) -> _Pair:
+    """The verifier at `path` and its draft: a bundle's own, or `draft` (a model or a bundle's)."""
+    from ondevice.models.bundle import is_bundle, open_bundle
+    from ondevice.models.gguf_tokenizer import repair_bundle_tokenizers
+    from ondevice.sources.hub import resolve
+
+    pair: _Pair
+    if is_bundle(path):
+        b = open_bundle(path)
+        v = load_model(b.verifier_dir, quantize=quantize, **opts)
+        repair_bundle_tokenizers(b.manifest, [v.tokenizer], str(path))  # prompts' tokenizer
+        pair = _Pair(v, extra={"name": path.name})
+        _bundle_draft(pair, b, opts)
+    else:
+        v = load_model(path, quantize=quantize, **opts)
+        pair = _Pair(v)
+    if draft is not None:
+        draft_path = resolve(draft)
+        if is_bundle(draft_path):  # a bundle's draft, with the acceptance it recorded
+            _bundle_draft(pair, open_bundle(draft_path), opts)
+        else:
+            pair.draft = load_model(draft_path, **opts)
+            pair.mlpackage = None
+            for key in ("reload_draft", "baseline"):
+                pair.extra.pop(key, None)
+    if pair.draft is not None:
+        check_pair(pair.verifier.tokenizer, pair.draft.tokenizer, pair.draft.config.vocab_size)
+    return pair
+
+
 def load(
     verifier: str | Path,
     draft: str | Path | None = None,
@@ -705,31 +735,7 @@ def load(
         from ondevice.runtime import kernel
 
         opts["product_dtype"] = kernel.weight_dtype()
-    path = resolve(verifier)
-    pair: _Pair
-    from ondevice.models.bundle import is_bundle, open_bundle
-    from ondevice.models.gguf_tokenizer import repair_bundle_tokenizers
-
-    if is_bundle(path):
-        b = open_bundle(path)
-        v = load_model(b.verifier_dir, quantize=quantize, **opts)
-        repair_bundle_tokenizers(b.manifest, [v.tokenizer], str(path))  # prompts' tokenizer
-        pair = _Pair(v, extra={"name": path.name})
-        _bundle_draft(pair, b, opts)
-    else:
-        v = load_model(path, quantize=quantize, **opts)
-        pair = _Pair(v)
-    if draft is not None:
-        draft_path = resolve(draft)
-        if is_bundle(draft_path):  # a bundle's draft, with the acceptance it recorded
-            _bundle_draft(pair, open_bundle(draft_path), opts)
-        else:
-            pair.draft = load_model(draft_path, **opts)
-            pair.mlpackage = None
-            for key in ("reload_draft", "baseline"):
-                pair.extra.pop(key, None)
-    if pair.draft is not None:
-        check_pair(pair.verifier.tokenizer, pair.draft.tokenizer, pair.draft.config.vocab_size)
+    pair = _load_pair(resolve(verifier), draft, quantize, opts)
     if dequantize:  # MLX on the CPU: its float32 linear products go to the CPU kernel
         from ondevice.runtime import kernel
 

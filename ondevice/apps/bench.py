@@ -186,8 +186,16 @@ def run(args: argparse.Namespace) -> int:
         png = args.plot or args.out.with_suffix(".png")
         plot(results, png)
         written.append(str(png))
-    bad = results["mismatches"]
-    if bad:  # a correctness canary: greedy speculative output must equal plain decoding
+    code = _report_mismatches(results["mismatches"])
+    print(f"\nwrote {', '.join(written)}", file=sys.stderr)
+    return code
+
+
+def _report_mismatches(bad: list[dict]) -> int:
+    """A correctness canary: greedy speculative output must equal plain decoding. Prints the
+    outputs that differ; ondevice's own methods breaking the lossless contract fail the command
+    (exit 1), a peer's do not."""
+    if bad:
         print(
             f"\nGREEDY MISMATCH: {len(bad)} outputs differ from their reference decoding "
             "(see 'mismatches' in the JSON):",
@@ -199,8 +207,6 @@ def run(args: argparse.Namespace) -> int:
                 f"from token {b['first_mismatch']}",
                 file=sys.stderr,
             )
-    print(f"\nwrote {', '.join(written)}", file=sys.stderr)
-    # ondevice's own methods breaking the lossless contract fail the command; a peer's do not
     return 1 if any(not b["method"].startswith("mlx-lm") for b in bad) else 0
 
 
