@@ -46,6 +46,7 @@ class Method:
     uses_draft: bool = False
     plain_without_draft: bool = False
     proposer: str | ProposerBuilder | None = None
+    in_auto: bool = False
 
     def build_proposer(self, res: Resources, spec: Speculation) -> Proposer:
         assert self.proposer is not None, f"{self.name} is not a proposer's method"
@@ -64,17 +65,19 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "the tree's depth", needs_draft=True, uses_draft=True,
            proposer="ondevice.proposers.draft_tree:build_tree"),
     Method("pld", "prompt lookup: n-grams copied from the context, no draft needed",
-           "tokens proposed per branch", proposer="ondevice.proposers.lookup:build"),
+           "tokens proposed per branch", proposer="ondevice.proposers.lookup:build", in_auto=True),
     Method("lookahead", "lookahead decoding: a Jacobi window's n-grams, no draft needed",
-           "the n-gram length minus one", proposer="ondevice.proposers.lookahead:build"),
+           "the n-gram length minus one", proposer="ondevice.proposers.lookahead:build",
+           in_auto=True),
     Method("cascade", "a draft chain whose own drafting is sped up by prompt lookup",
            "the draft chain's length", needs_draft=True, uses_draft=True,
            proposer="ondevice.proposers.cascade:build"),
     Method("self", "self-speculation: the verifier drafts with a measured skip set of its own "
            "layers, no draft model", "the draft path's longest length",
-           proposer="ondevice.proposers.layer_skip:build"),
-    Method("auto", "picks per round among plain steps, pld and the draft's greedy path, tree and "
-           "cascade (lookahead without a draft) by measured acceptance and pass costs",
+           proposer="ondevice.proposers.layer_skip:build", in_auto=True),
+    Method("auto", "picks per round among plain steps, the draft's greedy path, tree and cascade "
+           "and the one-model methods (pld, lookahead, self with a cached skip set) by measured "
+           "acceptance and pass costs",
            "each candidate's size", uses_draft=True, proposer="ondevice.proposers.auto:build"),
 )}  # fmt: skip
 

@@ -34,9 +34,18 @@ from typing import Protocol
 
 import numpy as np
 
+from ondevice.errors import OndeviceError
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.pass_costs import CostProfile, best_rate, best_size
+
+
+class Unavailable(OndeviceError):
+    """Raised by a proposer's builder when what the proposer needs is missing (no trained heads,
+    no skip set, no MLX verifier): the message says what and how to get it. `auto` builds its
+    candidates with `Speculation.method == "auto"`; a builder whose resources are costly to
+    get (a search, training) uses only what is cached then and raises this otherwise, and
+    `auto` leaves the method out and records why (`stats["auto_left_out"]`)."""
 
 
 @dataclass

@@ -17,7 +17,7 @@ from ondevice.rules.chooser import TokenChooser
 from ondevice.rules.engine import Engine
 from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.engines import tree_engine
-from ondevice.runtime.pass_costs import CostProfile, load_profile
+from ondevice.runtime.pass_costs import CostProfile, CostWatch, load_profile
 
 if TYPE_CHECKING:
     from ondevice.proposers.draft_tree import DraftState
@@ -58,6 +58,7 @@ class Resources:
     draft: the draft's cache kept in step with the committed tokens (None: no draft loaded).
     chooser: the generation's one token chooser (sampling transform, noise, rule).
     verify_cost, draft_cost: seconds of a pass over n tokens (None: not profiled).
+    verify_watch: judges the live verifier passes against `verify_cost` (None: not profiled).
     """
 
     verifier: Engine
@@ -65,6 +66,7 @@ class Resources:
     chooser: TokenChooser
     verify_cost: CostProfile | None = None
     draft_cost: CostProfile | None = None
+    verify_watch: CostWatch | None = None
 
     @classmethod
     def build(
@@ -87,7 +89,8 @@ class Resources:
         if draft is not None:
             state = DraftState(tree_engine(draft), verifier.vocab_size, dcost)
         chooser = TokenChooser(params, verifier.vocab_size, seed)
-        return cls(verifier, state, chooser, vcost, dcost)
+        watch = CostWatch(vcost) if vcost is not None else None
+        return cls(verifier, state, chooser, vcost, dcost, watch)
 
     @property
     def params(self) -> SamplingParams:
