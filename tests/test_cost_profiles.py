@@ -56,6 +56,7 @@ def test_a_profile_measured_with_mlx_products_is_not_read_once_the_kernel_serves
     assert after != before
     prof = load_profile(MLXEngine(model), sizes=(1, 2))
     assert prof.model == after  # measured for the served model, not the MLX one's file
+    assert prof.kernel == pass_costs.products(model) and "onednn-f32" in prof.describe()
     assert len(list((home / "profiles").glob("*.json"))) == 2
 
 

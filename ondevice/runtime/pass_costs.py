@@ -64,6 +64,7 @@ class CostProfile:
     strikes: int = 0  # generations in a row whose live passes disagreed (see the module)
     stale: bool = False  # measure again at the next load
     live_ratio: float = 0.0  # the last judged generation's live / profiled pass time
+    kernel: str = ""  # what served the products, for people (`products`; in `model`'s key)
     path: Path | None = field(default=None, compare=False, repr=False)  # the file it came from
 
     def __call__(self, n: int | np.ndarray) -> np.ndarray | float:
@@ -110,7 +111,8 @@ class CostProfile:
             if self.strikes
             else ""
         )
-        return f"{self.model}: ms per pass over n tokens {{{costs}}}, {age}{state}"
+        kernel = f" ({self.kernel})" if self.kernel else ""
+        return f"{self.model}{kernel}: ms per pass over n tokens {{{costs}}}, {age}{state}"
 
 
 def device_name() -> str:
@@ -245,7 +247,13 @@ def measure(
     engine.reset()
     # A profile must not decrease with size (timing noise): the tree sizer assumes it.
     secs = np.maximum.accumulate([float(np.median(times[n])) for n in sizes]).tolist()
-    return CostProfile(list(sizes), secs, device_name(), engine_key(engine), context, time.time())
+    from ondevice.runtime.engines import innermost
+
+    model = getattr(innermost(engine), "model", None)
+    kernel = products(model) if hasattr(model, "named_modules") else engine.name
+    return CostProfile(
+        list(sizes), secs, device_name(), engine_key(engine), context, time.time(), kernel=kernel
+    )
 
 
 def load_profile(
