@@ -45,7 +45,10 @@ from ondevice.rules.engine import Engine
 # coarsely (only a GPU, where a pass costs about the same up to dozens of tokens, reaches them).
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 FORMAT = 2  # 2: the engine's key names the kernel serving its products; measured, strikes
-DRIFT_FACTOR = 1.5  # live passes this much slower or faster than the profile count as a strike
+# live passes this much slower or faster than the profile: a strike (not less: other work on a
+# shared machine moves passes by some tens of percent, and a profile re-measured on each such
+# swing would cost a measurement in the middle of someone's requests)
+DRIFT_FACTOR = 2.0
 DRIFT_WARMUP = 2  # a generation's first timed passes are not judged (caches, allocation)
 DRIFT_PASSES = 8  # timed passes after the warm-up whose median ratio is judged, once a generation
 DRIFT_STRIKES = 2  # generations in a row with a strike mark the profile stale
