@@ -15,13 +15,15 @@ from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.pass_costs import CostProfile
 
 EXPLORE_SHARE = 0.02  # of a generation's time at the best known rate that tries may lose
+TIE = 1e-9  # relative: scores this close count as equal (rounding in the averages)
 
 
 class AutoProposer:
     """Picks a proposer per round by measured acceptance and estimated cost.
 
     Plain steps' tokens per second is known from the cost profile (one token per one-token
-    pass), so they are never tried to find it out. Each other candidate is tried up to `explore`
+    pass), so they are never tried to find it out, and a candidate that scores as much (prompt
+    lookup whose rounds found no match: each was a plain step) is preferred to them on the tie. Each other candidate is tried up to `explore`
     rounds (first tries of all before second ones); afterwards the one with the best tokens per
     second (tokens per round over seconds per round, each an exponential average over rounds, so
     a score last updated long ago counts for little against a fresh try) proposes. A losing
@@ -109,7 +111,15 @@ class AutoProposer:
         scored = [i for i in range(n) if self.seconds[i] > 0]
         if not scored:  # nothing known yet: every first try is needed
             return min(range(n), key=lambda i: self.tried[i])
-        self._best = best = max(scored, key=self.score)
+        # a tie goes to the candidate that speculates: one whose rounds found nothing scored
+        # exactly a plain step's (prompt lookup without a match is one), so it is no worse,
+        # and choosing it keeps its score fresh for when it finds something
+        self._best = best = max(
+            scored,
+            key=lambda i: (
+                (self.score(i) * (1 + TIE), -i) if not self.known[i] else (self.score(i), -i)
+            ),
+        )
         rate = self.score(best)
         budget = self.explore_share * (self.committed + room) / rate - self.lost
         explore = [i for i in range(n) if self.tried[i] < self.explore]
