@@ -123,8 +123,10 @@ def test_a_hit_inside_the_previous_answer_changes_no_token(gen, uncached, decode
     assert_resumed(v_runs, d_runs, len(turn), hit.stats)
     assert hit.tokens == uncached.generate(turn, **kw).tokens
     assert hit.stats["cached_tokens"] == len(first) + 8
-    if decoder in USES_DRAFT:
-        assert hit.stats["draft_cached_tokens"] > len(first)  # the draft resumed too
+    if decoder in USES_DRAFT:  # the draft resumed too (auto's tries are budgeted: on a
+        # 16-token answer it may have drafted in its first round only, within the prompt)
+        least = len(first) if decoder == "auto" else len(first) + 1
+        assert hit.stats["draft_cached_tokens"] >= least
     assert gen.prompt_cache_stats()["hits"] >= 1
 
 

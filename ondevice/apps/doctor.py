@@ -76,6 +76,7 @@ def collect() -> dict[str, Any]:
         "cache": _cache(),
         "draft_drift": _draft_drift(warnings),
         "skip_sets": _skip_sets(),
+        "profiles": _profiles(),
     }
     report["warnings"] = warnings
     return report
@@ -362,6 +363,15 @@ def _skip_sets() -> list[dict[str, Any]]:
     return [{"file": str(p), "summary": s.describe(), **s.to_json()} for p, s in cached_skip_sets()]
 
 
+def _profiles() -> list[dict[str, Any]]:
+    """The pass-cost profiles cached on this machine, with what they were measured for."""
+    from ondevice.runtime.pass_costs import cached_profiles
+
+    return [
+        {"file": str(p.path), "summary": p.describe(), **p.to_json()} for p in cached_profiles()
+    ]
+
+
 # -- rendering ---------------------------------------------------------------------------------
 
 
@@ -406,6 +416,8 @@ def render(r: dict[str, Any]) -> str:
             lines.append(f"    {m['name']:<{width}}  {human(m['size_bytes']):>9}  {m['path']}")
     else:
         lines.append("  models      none cached (fetch the default with: ondevice pull)")
+    for prof in r.get("profiles", []):
+        lines.append(f"  pass costs  {prof['summary']} ({prof['device']})")
     for s in r.get("skip_sets", []):
         lines.append(f"  self draft  {s['summary']} ({Path(s['file']).name})")
     if cm["last_fallback"]:

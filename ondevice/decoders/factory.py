@@ -66,7 +66,7 @@ def make_decoder(
     proposer = m.build_proposer(res, spec)
     return TreeDecoder(
         res.verifier, proposer, params, rule=rule, draft_state=res.draft, chooser=res.chooser,
-        eos_token_ids=eos_token_ids,
+        eos_token_ids=eos_token_ids, cost_watch=res.verify_watch,
     )  # fmt: skip
 
 

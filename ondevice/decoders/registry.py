@@ -65,21 +65,23 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "the tree's depth", needs_draft=True, uses_draft=True,
            proposer="ondevice.proposers.draft_tree:build_tree"),
     Method("pld", "prompt lookup: n-grams copied from the context, no draft needed",
-           "tokens proposed per branch", proposer="ondevice.proposers.lookup:build"),
+           "tokens proposed per branch", proposer="ondevice.proposers.lookup:build", in_auto=True),
     Method("lookahead", "lookahead decoding: a Jacobi window's n-grams, no draft needed",
-           "the n-gram length minus one", proposer="ondevice.proposers.lookahead:build"),
+           "the n-gram length minus one", proposer="ondevice.proposers.lookahead:build",
+           in_auto=True),
     Method("cascade", "a draft chain whose own drafting is sped up by prompt lookup",
            "the draft chain's length", needs_draft=True, uses_draft=True,
            proposer="ondevice.proposers.cascade:build"),
     Method("self", "self-speculation: the verifier drafts with a measured skip set of its own "
            "layers, no draft model", "the draft path's longest length",
-           proposer="ondevice.proposers.layer_skip:build"),
+           proposer="ondevice.proposers.layer_skip:build", in_auto=True),
     Method("medusa", "Medusa heads on the verifier's last hidden state propose a token tree, no "
            "draft model (heads from `ondevice distill --heads medusa`)",
            "the tree's depth (at most the number of heads)",
            proposer="ondevice.proposers.medusa:build", in_auto=True),
-    Method("auto", "picks per round among plain steps, pld and the draft's greedy path, tree and "
-           "cascade (lookahead without a draft) by measured acceptance and pass costs",
+    Method("auto", "picks per round among plain steps, the draft's greedy path, tree and cascade "
+           "and the one-model methods (pld, lookahead, self with a cached skip set, medusa with "
+           "trained heads) by measured acceptance and pass costs",
            "each candidate's size", uses_draft=True, proposer="ondevice.proposers.auto:build"),
 )}  # fmt: skip
 

@@ -24,6 +24,7 @@ from ondevice.rules.engine import Engine
 from ondevice.rules.sampling import SamplingParams, TokenLogprob, token_logprobs
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.engines import tree_engine
+from ondevice.runtime.pass_costs import CostWatch
 
 # rule(tree, p, at) -> (accepted nodes, next token); `accept.multi_draft` unless a test swaps it
 Rule = TreeRule
@@ -43,13 +44,16 @@ class TreeDecoder(DecoderBase):
         rule: Rule | None = None,
         draft_state: DraftState | None = None,
         chooser: TokenChooser | None = None,
+        cost_watch: CostWatch | None = None,
     ) -> None:
         """verifier: a tree-capable engine (`runtime.engines.tree_engine` wraps MLX ones).
         proposer: where each round's tree comes from. params: the sampling parameters.
         seed: the position-keyed noise's seed. rule: the tree acceptance rule (tests swap it).
         draft_state: the proposers' draft, if they have one (its cache follows the prompt
         cache). chooser: the generation's token chooser, shared with the proposer (default:
-        a new one from params and seed)."""
+        a new one from params and seed). cost_watch: told how long each verifier pass took
+        (`runtime/pass_costs.CostWatch`: a profile the live passes disagree with is re-measured
+        at a later load)."""
         verifier = tree_engine(verifier)
         if not hasattr(verifier, "feed_masked"):
             raise OndeviceError(
@@ -68,11 +72,17 @@ class TreeDecoder(DecoderBase):
         self.chooser = chooser or TokenChooser(params, verifier.vocab_size, seed)
         # the sampling rule; replaceable so tests can show that a wrong rule is caught
         self.rule = rule or accept.multi_draft
+        self.cost_watch = cost_watch
         self._per_method = self.stats.extra.setdefault("rounds_by_method", {})
 
     def extra_stats(self) -> dict:
-        """Which proposer made how many rounds (auto's choices; one entry for other methods)."""
-        return {"rounds_by_method": dict(self._per_method)}
+        """Which proposer made how many rounds (auto's choices; one entry for other methods), and
+        the candidates auto left out, with why ("auto_left_out")."""
+        out: dict = {"rounds_by_method": dict(self._per_method)}
+        left_out = getattr(self.proposer, "left_out", None)
+        if left_out:
+            out["auto_left_out"] = dict(left_out)
+        return out
 
     def prefill_rest(self, prompt: Sequence[int], resume: bool) -> None:
         if resume and self.draft_state is not None:
@@ -116,6 +126,8 @@ class TreeDecoder(DecoderBase):
             self.proposer.observe(seq, tree, verdict)
         self.time_draft += (t2 - t) + (time.perf_counter() - t3)
         self.time_verify += t3 - t2
+        if self.cost_watch is not None:
+            self.cost_watch.observe(len(tree), t3 - t2)
         name = getattr(self.proposer, "last_name", self.proposer.name)
         self._per_method[name] = self._per_method.get(name, 0) + 1
         if proposed and tree.size == 0:

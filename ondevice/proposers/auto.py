@@ -4,28 +4,44 @@ the estimated cost of their rounds (cost profiles, `runtime/pass_costs.py`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from ondevice.proposers import cascade, lookahead, lookup
-from ondevice.proposers.base import NoProposal, Proposer, Verification, wants_hidden
+from ondevice.proposers import cascade
+from ondevice.proposers.base import NoProposal, Proposer, Unavailable, Verification, wants_hidden
 from ondevice.proposers.draft_tree import DraftState, build_greedy_path, build_tree
 from ondevice.proposers.resources import Resources, Speculation
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.pass_costs import CostProfile
 
+EXPLORE_SHARE = 0.02  # of a generation's time at the best known rate that tries may lose
+TIE = 1e-9  # relative: scores this close count as equal (rounding in the averages)
+
 
 class AutoProposer:
     """Picks a proposer per round by measured acceptance and estimated cost.
 
-    Each candidate is tried `explore` rounds; afterwards the one with the best tokens per second
-    (tokens per round over seconds per round, each an exponential average over rounds, so a
-    score last updated long ago counts for little against a fresh try) proposes. A losing
+    Plain steps' tokens per second is known from the cost profile (one token per one-token
+    pass), so they are never tried to find it out, and a candidate that scores as much (prompt
+    lookup whose rounds found no match: each was a plain step) is preferred to them on the tie. Each other candidate is tried up to `explore`
+    rounds (first tries of all before second ones); afterwards the one with the best tokens per
+    second (tokens per round over seconds per round, each an exponential average over rounds, so
+    a score last updated long ago counts for little against a fresh try) proposes. A losing
     candidate gets one round again after `period` rounds of the others (at most one such
     re-check per `period` rounds, the least recently tried first), so a change in the text (a
     passage to copy, say) is noticed; each re-check it loses doubles its wait, up to
-    `period * max_backoff`, and one it wins resets it. Where the verifier keeps disagreeing with
-    the draft, every re-check of a draft method is a round slower than a plain step, and on
-    long answers those rounds added up.
+    `period * max_backoff`, and one it wins resets it.
+
+    Tries are budgeted: a try (a round of anything but the best, exploration or re-check) loses
+    its seconds less the time its tokens would have taken at the best known rate (nothing
+    when it gains). A try is made only while the losses so far plus the try's expected loss
+    (its own rounds' so far; untried, a round that finds nothing) stay within `explore_share`
+    of the time the whole generation would take at that rate (the tokens so far plus the room
+    left). On a short answer, where tries cannot pay for themselves, auto so stays within
+    about that share of its best candidate (exploring every candidate twice lost more: each
+    try of a losing method is a round slower than a plain step, and against a fast best, prompt
+    lookup copying a passage, even a plain step is a loss); a long answer affords tries in
+    proportion.
 
     Seconds are estimated from the cost profiles (the verifier's pass over the tree's size plus
     the draft work the proposer reports), not from the clock, so the choice depends only on
@@ -47,6 +63,7 @@ class AutoProposer:
         period: int = 16,
         max_backoff: int = 8,
         decay: float = 0.8,
+        explore_share: float = EXPLORE_SHARE,
     ):
         if not proposers:
             raise ValueError("auto needs at least one proposer")
@@ -55,21 +72,29 @@ class AutoProposer:
         self.drafts = list(drafts)
         self.explore, self.period, self.decay = explore, period, decay
         self.max_backoff = max_backoff
+        self.explore_share = explore_share
+        # plain steps: a known score, never tried or re-checked
+        self.known = [isinstance(p, NoProposal) for p in self.proposers]
+        self.left_out: dict[str, str] = {}  # candidates `build` left out, and why
         self.wants_hidden = any(wants_hidden(p) for p in self.proposers)
         self._reset_scores()
 
     def _reset_scores(self) -> None:
         n = len(self.proposers)
-        self.tried = [0] * n
+        one = float(self.verify_cost(1))
+        self.tried = [self.explore if k else 0 for k in self.known]
         self.last_tried = [-1] * n
-        self.tokens = [0.0] * n
-        self.seconds = [0.0] * n
+        self.tokens = [1.0 if k else 0.0 for k in self.known]
+        self.seconds = [one if k else 0.0 for k in self.known]
         self.round = 0
         self.wait = [self.period] * n  # rounds before a losing candidate is re-checked
         self._best = 0
         self._last_check = 0  # the round of the last re-check (exploration counts as one)
         self._current = 0
         self._work = 0.0
+        self._ref = 0.0  # the best known tokens per second when this round is a try, else 0
+        self.lost = 0.0  # seconds the tries lost against the best known rate (see the class)
+        self.committed = 0  # tokens so far
         self.last_name = self.proposers[0].name
 
     def reset(self, prompt: Sequence[int]) -> None:
@@ -80,26 +105,59 @@ class AutoProposer:
     def score(self, i: int) -> float:
         return self.tokens[i] / self.seconds[i] if self.seconds[i] > 0 else float("inf")
 
-    def _choose(self) -> int:
+    def _choose(self, room: int) -> int:
         n = len(self.proposers)
-        for i in range(n):
-            if self.tried[i] < self.explore:
-                return i
-        self._best = best = max(range(n), key=self.score)
-        if self.round - self._last_check < self.period:  # at most one re-check per period
+        self._ref = 0.0
+        scored = [i for i in range(n) if self.seconds[i] > 0]
+        if not scored:  # nothing known yet: every first try is needed
+            return min(range(n), key=lambda i: self.tried[i])
+        # a tie goes to the candidate that speculates: one whose rounds found nothing scored
+        # exactly a plain step's (prompt lookup without a match is one), so it is no worse,
+        # and choosing it keeps its score fresh for when it finds something
+        self._best = best = max(
+            scored,
+            key=lambda i: (
+                (self.score(i) * (1 + TIE), -i) if not self.known[i] else (self.score(i), -i)
+            ),
+        )
+        rate = self.score(best)
+        budget = self.explore_share * (self.committed + room) / rate - self.lost
+        explore = [i for i in range(n) if self.tried[i] < self.explore]
+        if explore:
+            i = min(explore, key=lambda i: self.tried[i])
+        elif self.round - self._last_check < self.period:  # at most one re-check per period
             return best
-        due = [i for i in range(n) if i != best and self.round - self.last_tried[i] >= self.wait[i]]
-        if not due:
-            return best
-        self._last_check = self.round
-        return min(due, key=lambda i: self.last_tried[i])
+        else:
+            due = [
+                i
+                for i in range(n)
+                if i != best
+                and not self.known[i]
+                and self.round - self.last_tried[i] >= self.wait[i]
+            ]
+            if not due:
+                return best
+            self._last_check = self.round
+            i = min(due, key=lambda i: self.last_tried[i])
+        if self._expected_loss(i, rate) > budget:
+            return best  # the tries have spent their share
+        self._ref = rate
+        return i
+
+    def _expected_loss(self, i: int, rate: float) -> float:
+        """What a try of candidate i is expected to lose against `rate`: what its rounds did so
+        far, or, untried, what a round that finds nothing loses (one token for a one-token
+        pass)."""
+        if self.seconds[i] > 0:
+            return self.seconds[i] - self.tokens[i] / rate
+        return float(self.verify_cost(1)) - 1.0 / rate
 
     def _draft_work(self) -> float:
         """Seconds of draft work so far, switching costs excluded (see the class docstring)."""
         return sum(d.work - d.switch_work for d in self.drafts)
 
     def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
-        self._current = i = self._choose()
+        self._current = i = self._choose(max_depth + 1)
         self.last_name = self.proposers[i].name
         self._work = self._draft_work()
         return self.proposers[i].propose(seq, max_depth, noise)
@@ -109,11 +167,16 @@ class AutoProposer:
         self.proposers[i].observe(seq, tree, verdict)
         path = verdict.path
         secs = float(self.verify_cost(len(tree))) + self._draft_work() - self._work
-        # an average over rounds, not over tries: what a re-check finds outweighs a score last
-        # updated many rounds ago (the text may have changed since)
-        a = self.decay ** (self.round + 1 - self.last_tried[i]) if self.tried[i] else 0.0
-        self.tokens[i] = a * self.tokens[i] + (1 - a) * (len(path) + 1)
-        self.seconds[i] = a * self.seconds[i] + (1 - a) * secs
+        self.committed += len(path) + 1
+        if self._ref > 0:  # a try: what it lost against the best known rate (a gain does not
+            # fund more tries: against a fast best, every try of another is a loss)
+            self.lost += max(secs - (len(path) + 1) / self._ref, 0.0)
+        if not self.known[i]:
+            # an average over rounds, not over tries: what a re-check finds outweighs a score
+            # last updated many rounds ago (the text may have changed since)
+            a = self.decay ** (self.round + 1 - self.last_tried[i]) if self.tried[i] else 0.0
+            self.tokens[i] = a * self.tokens[i] + (1 - a) * (len(path) + 1)
+            self.seconds[i] = a * self.seconds[i] + (1 - a) * secs
         if self.tried[i] >= self.explore and i != self._best:  # a re-check: did it win?
             won = self.score(i) > self.score(self._best)
             self.wait[i] = (
@@ -125,13 +188,28 @@ class AutoProposer:
 
 
 def build(res: Resources, spec: Speculation) -> AutoProposer:
-    """The "auto" method: plain steps, prompt lookup and, with a draft, its greedy path, its tree and
-    the cascade (without one, lookahead); num_draft_tokens fixes each candidate's size."""
-    cands: list[Proposer] = [NoProposal(), lookup.build(res, spec)]
+    """The "auto" method: plain steps, every registered method that declares itself a candidate
+    (`Method.in_auto`: pld, lookahead, self, ...) whose builder finds what it needs, and, with a
+    draft, the draft's greedy path, its tree and the cascade; num_draft_tokens fixes each
+    candidate's size. A candidate whose builder raises `Unavailable` is left out, with its
+    reason in `left_out` (the decoder's stats show it as "auto_left_out")."""
+    from ondevice.decoders.registry import METHODS
+
+    # the order tries are made in, the likeliest to pay first (tries are budgeted)
+    cands: list[Proposer] = [NoProposal()]
     if res.draft is not None:
         cands += [build_greedy_path(res, spec), build_tree(res, spec), cascade.build(res, spec)]
-    else:
-        cands += [lookahead.build(res, spec)]
+    left_out: dict[str, str] = {}
+    as_candidate = replace(spec, method="auto")  # builders: use only what is cached
+    for m in METHODS.values():
+        if not m.in_auto or m.name == "auto" or (m.needs_draft and res.draft is None):
+            continue
+        try:
+            cands.append(m.build_proposer(res, as_candidate))
+        except Unavailable as e:
+            left_out[m.name] = str(e)
     # unprofiled: every pass costs the same
     vcost = res.verify_cost if res.verify_cost is not None else CostProfile([1], [1.0])
-    return AutoProposer(cands, vcost, [res.draft] if res.draft is not None else [])
+    auto = AutoProposer(cands, vcost, [res.draft] if res.draft is not None else [])
+    auto.left_out = left_out
+    return auto

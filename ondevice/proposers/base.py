@@ -41,9 +41,11 @@ from ondevice.runtime.pass_costs import CostProfile, best_rate, best_size
 
 
 class Unavailable(OndeviceError):
-    """A proposer's builder lacks what it drafts from (Medusa heads not trained for this
-    verifier, say): `auto` leaves the method out; a direct request shows the reason, which says
-    how to get what is missing."""
+    """Raised by a proposer's builder when what the proposer needs is missing (no trained heads,
+    no skip set, no MLX verifier): the message says what and how to get it. `auto` builds its
+    candidates with `Speculation.method == "auto"`; a builder whose resources are costly to
+    get (a search, training) uses only what is cached then and raises this otherwise, and
+    `auto` leaves the method out and records why (`stats["auto_left_out"]`)."""
 
 
 @dataclass

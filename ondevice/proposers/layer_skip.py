@@ -37,7 +37,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ondevice.models.transformer import Model
-from ondevice.proposers.base import Verification, cost_budget, cost_rate
+from ondevice.proposers.base import Unavailable, Verification, cost_budget, cost_rate
 from ondevice.proposers.draft_tree import DraftState, DraftTreeProposer
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
@@ -205,36 +205,46 @@ def skip_set_path(model: Model) -> Path:
 _MEMORY: dict[tuple[str, bool], SkipSet] = {}  # (fingerprint, costs profiled) -> this process's
 
 
+def cached_skip_set(model: Model, *, cache: bool = True) -> SkipSet | None:
+    """The skip set of `model` found earlier in this process or (with `cache`) cached on this
+    device, or None: nothing is searched."""
+    key = (weights_fingerprint(model), cache)
+    if key in _MEMORY:
+        return _MEMORY[key]
+    path = skip_set_path(model) if cache else None
+    if path is None or not path.exists():
+        return None
+    try:
+        found = SkipSet.from_json(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+        return None  # unreadable or old: search again
+    if found.layers != len(model.layers):
+        return None
+    _MEMORY[key] = found
+    return found
+
+
 def load_skip_set(
     model: Model, prompt: Sequence[int], verify: CostProfile | None, *, cache: bool = True
 ) -> SkipSet:
     """The cached skip set of `model` on this device, or a search's over `prompt` (printing one
     line: it takes a while on a large model) saved for next time. Without `cache` (unprofiled
     costs) nothing is read from or written to disk; within a process the result is reused."""
-    key = (weights_fingerprint(model), cache)
-    if key in _MEMORY:
-        return _MEMORY[key]
+    found = cached_skip_set(model, cache=cache)
+    if found is not None:
+        return found
     path = skip_set_path(model) if cache else None
-    found = None
-    if path is not None and path.exists():
-        try:
-            found = SkipSet.from_json(json.loads(path.read_text()))
-            if found.layers != len(model.layers):
-                found = None
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-            found = None  # unreadable or old: search again
-    if found is None:
-        if path is not None:
-            print(
-                "ondevice: finding which layers method 'self' skips for this model (first use; "
-                f"cached in {path.parent})...",
-                file=sys.stderr,
-                flush=True,
-            )
-        found = search_skip_set(model, search_text(model, prompt), verify)
-        if path is not None:
-            save_profile(path, found.to_json())
-    _MEMORY[key] = found
+    if path is not None:
+        print(
+            "ondevice: finding which layers method 'self' skips for this model (first use; "
+            f"cached in {path.parent})...",
+            file=sys.stderr,
+            flush=True,
+        )
+    found = search_skip_set(model, search_text(model, prompt), verify)
+    if path is not None:
+        save_profile(path, found.to_json())
+    _MEMORY[(weights_fingerprint(model), cache)] = found
     return found
 
 
@@ -264,14 +274,16 @@ class SelfDraftProposer:
         *,
         depth: int = 8,
         cache: bool = True,
+        skip_set: SkipSet | None = None,
     ):
         self.model, self.vocab, self.chooser = model, vocab, chooser
         self.verify, self.depth, self.cache = verify, depth, cache
-        self.skip_set: SkipSet | None = None
+        self.skip_set = skip_set  # None: found (or read) at the first reset
         self.draft: DraftTreeProposer | None = None
 
     def _build(self, prompt: Sequence[int]) -> DraftTreeProposer:
-        self.skip_set = load_skip_set(self.model, prompt, self.verify, cache=self.cache)
+        if self.skip_set is None:
+            self.skip_set = load_skip_set(self.model, prompt, self.verify, cache=self.cache)
         view = LayerSkipView(self.model, self.skip_set.keep)
         cost = None
         if self.verify is not None:
@@ -300,17 +312,31 @@ class SelfDraftProposer:
 
 def build(res: Resources, spec: Speculation) -> SelfDraftProposer:
     """The "self" method: the verifier's greedy path with a measured skip set of its layers
-    (num_draft_tokens: the path's longest length, default 8); no draft model is used."""
-    from ondevice.errors import OndeviceError
-
+    (num_draft_tokens: the path's longest length, default 8); no draft model is used. As a
+    candidate of `auto` only a skip set already found is used, and only one predicted to beat
+    plain decoding: the search is not started silently (`Unavailable` otherwise)."""
     model = getattr(innermost(res.verifier), "model", None)
     if not isinstance(model, Model):
-        raise OndeviceError(
+        raise Unavailable(
             "method 'self' drafts with the verifier's own layers and needs an MLX verifier."
         )
     if len(model.layers) < 2:
-        raise OndeviceError("method 'self' needs a verifier with at least two layers.")
+        raise Unavailable("method 'self' needs a verifier with at least two layers.")
+    cache = res.verify_cost is not None
+    found = None
+    if spec.method == "auto":
+        found = cached_skip_set(model, cache=cache)
+        if found is None:
+            raise Unavailable(
+                "no skip set is cached for this model yet; run method 'self' once to search "
+                "for one (it is cached for auto's next generations)"
+            )
+        if found.speedup <= 1.0:  # every try of it would be a round slower than a plain step
+            raise Unavailable(
+                f"its cached skip set predicts {found.speedup:.2f}x plain decoding, no gain "
+                f"({found.describe()})"
+            )
     return SelfDraftProposer(
         model, res.vocab, res.chooser, res.verify_cost, depth=spec.num_draft_tokens or 8,
-        cache=res.verify_cost is not None,
+        cache=cache, skip_set=found,
     )  # fmt: skip

@@ -18,7 +18,7 @@ from ondevice.rules.chooser import TokenChooser
 from ondevice.rules.engine import Engine
 from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.engines import tree_engine
-from ondevice.runtime.pass_costs import CostProfile, load_profile
+from ondevice.runtime.pass_costs import CostProfile, CostWatch, load_profile
 
 if TYPE_CHECKING:
     from ondevice.proposers.draft_tree import DraftState
@@ -61,6 +61,7 @@ class Resources:
     verify_cost, draft_cost: seconds of a pass over n tokens (None: not profiled).
     heads: a folder of Medusa heads given explicitly (`load(..., heads=...)`); None: method
         "medusa" looks in the cache for heads trained for this verifier.
+    verify_watch: judges the live verifier passes against `verify_cost` (None: not profiled).
     """
 
     verifier: Engine
@@ -69,6 +70,7 @@ class Resources:
     verify_cost: CostProfile | None = None
     draft_cost: CostProfile | None = None
     heads: Path | None = None
+    verify_watch: CostWatch | None = None
 
     @classmethod
     def build(
@@ -93,7 +95,8 @@ class Resources:
         if draft is not None:
             state = DraftState(tree_engine(draft), verifier.vocab_size, dcost)
         chooser = TokenChooser(params, verifier.vocab_size, seed)
-        return cls(verifier, state, chooser, vcost, dcost, heads)
+        watch = CostWatch(vcost) if vcost is not None else None
+        return cls(verifier, state, chooser, vcost, dcost, heads, watch)
 
     @property
     def params(self) -> SamplingParams:

@@ -7,6 +7,23 @@ and model, cached as JSON under `cache_dir()/profiles`, and proposers size their
 
 Sizes chosen from a cached profile depend only on that file and on accepted counts, never on the
 clock during generation, so a seed still gives the same tokens on a given machine.
+
+Identity. A profile is named and checked by what determines the cost: the device (processor,
+MLX's device, the BLAS that serves MLX's CPU products and its threads, `device_name`) and the
+engine (`engine_key`: architecture and sizes, the dtypes of its weights, and which kernel serves
+its linear products, `runtime/kernel.py`, with its threads). A profile measured under MKL is
+never read for a model whose products oneDNN serves, nor one of another model or machine.
+
+Staleness. The cost of a pass also changes with what the file cannot name (an upgraded library,
+a machine that got slower). Generations time their verifier passes anyway; `CostWatch` compares
+them with the profile. Once a generation has made `DRIFT_PASSES` timed passes (after
+`DRIFT_WARMUP`), the median of their ratios to the profile is judged: outside
+[1 / DRIFT_FACTOR, DRIFT_FACTOR] it is a strike, written into the file; `DRIFT_STRIKES`
+generations in a row mark the profile stale, and one within the factor clears the strikes. A
+stale profile is measured again by the next `load_profile`, before that generation sizes
+anything. Nothing changes a profile in memory while a generation runs and nothing runs in the
+background: a generation's sizes still depend only on the file it started with and on accepted
+counts. A profile written by hand (no measurement time) is never judged.
 """
 
 from __future__ import annotations
@@ -15,8 +32,9 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +44,14 @@ from ondevice.rules.engine import Engine
 # Small sizes finely (on a CPU the choice between 1, 2 and 3 drafts hinges on them), large ones
 # coarsely (only a GPU, where a pass costs about the same up to dozens of tokens, reaches them).
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
-FORMAT = 1
+FORMAT = 2  # 2: the engine's key names the kernel serving its products; measured, strikes
+# live passes this much slower or faster than the profile: a strike (not less: other work on a
+# shared machine moves passes by some tens of percent, and a profile re-measured on each such
+# swing would cost a measurement in the middle of someone's requests)
+DRIFT_FACTOR = 2.0
+DRIFT_WARMUP = 2  # a generation's first timed passes are not judged (caches, allocation)
+DRIFT_PASSES = 8  # timed passes after the warm-up whose median ratio is judged, once a generation
+DRIFT_STRIKES = 2  # generations in a row with a strike mark the profile stale
 
 
 @dataclass
@@ -38,6 +63,12 @@ class CostProfile:
     device: str = ""
     model: str = ""
     context: int = 0
+    measured: float = 0.0  # when (seconds since the epoch; 0: unknown)
+    strikes: int = 0  # generations in a row whose live passes disagreed (see the module)
+    stale: bool = False  # measure again at the next load
+    live_ratio: float = 0.0  # the last judged generation's live / profiled pass time
+    kernel: str = ""  # what served the products, for people (`products`; in `model`'s key)
+    path: Path | None = field(default=None, compare=False, repr=False)  # the file it came from
 
     def __call__(self, n: int | np.ndarray) -> np.ndarray | float:
         """Interpolated cost of n tokens; linear extrapolation beyond the largest size."""
@@ -51,18 +82,40 @@ class CostProfile:
         return float(out) if np.ndim(n) == 0 else out
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, **asdict(self)}
+        return {"format": FORMAT, **{k: v for k, v in asdict(self).items() if k != "path"}}
 
     @classmethod
     def from_json(cls, d: dict) -> CostProfile:
         if d.get("format") != FORMAT:
             raise ValueError("unknown profile format")
-        p = cls(
-            d["sizes"], d["seconds"], d.get("device", ""), d.get("model", ""), d.get("context", 0)
-        )
+        names = {f.name for f in fields(cls)} - {"path"}
+        p = cls(**{k: v for k, v in d.items() if k in names})
         if len(p.sizes) != len(p.seconds) or not p.sizes or sorted(p.sizes) != p.sizes:
             raise ValueError("malformed profile")
         return p
+
+    def matches(self, device: str, model: str) -> bool:
+        """Whether this profile was measured for `device` and `model` (an empty field, as in a
+        profile written by hand, matches anything)."""
+        return self.device in ("", device) and self.model in ("", model)
+
+    def describe(self) -> str:
+        """One line for people: the model, its kernel, a few costs, the age and any strikes."""
+        costs = ", ".join(f"{n}: {self(n) * 1000:.0f}" for n in (1, 4, 8) if n <= self.sizes[-1])
+        age = (
+            f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(self.measured))}"
+            if self.measured
+            else "measured at an unknown time"
+        )
+        state = (
+            f"; stale (live passes {self.live_ratio:.2f}x the profile): measured again at next use"
+            if self.stale
+            else f"; live passes {self.live_ratio:.2f}x it in {self.strikes} generation(s)"
+            if self.strikes
+            else ""
+        )
+        kernel = f" ({self.kernel})" if self.kernel else ""
+        return f"{self.model}{kernel}: ms per pass over n tokens {{{costs}}}, {age}{state}"
 
 
 def device_name() -> str:
@@ -109,8 +162,9 @@ def device_name() -> str:
 
 
 def engine_key(engine: Engine) -> str:
-    """What determines an engine's pass cost: its architecture, dtype and quantization (not the
-    weight values), or for non-MLX engines their kind, vocabulary and context."""
+    """What determines an engine's pass cost: its architecture, the dtypes of its weights and
+    which kernel serves its linear products (`products`; not the weight values), or for non-MLX
+    engines their kind, vocabulary and context."""
     from ondevice.runtime.engines import innermost
 
     engine = innermost(engine)  # a draft window costs what its engine does
@@ -120,9 +174,14 @@ def engine_key(engine: Engine) -> str:
         import mlx.core as mx
         from mlx.utils import tree_flatten
 
-        first = next((v for _, v in tree_flatten(model.parameters())), None)
-        dtype = str(first.dtype) if isinstance(first, mx.array) else "?"
-        desc = json.dumps({"config": asdict(cfg), "dtype": dtype}, sort_keys=True, default=str)
+        dtypes = sorted(
+            {str(v.dtype) for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)}
+        )
+        desc = json.dumps(
+            {"config": asdict(cfg), "dtypes": dtypes, "products": products(model)},
+            sort_keys=True,
+            default=str,
+        )
     else:
         import platform
 
@@ -133,6 +192,21 @@ def engine_key(engine: Engine) -> str:
             path = [str(path), package_digest(path), platform.mac_ver()[0]]
         desc = json.dumps([engine.name, engine.vocab_size, engine.context_length, path or ""])
     return f"{engine.name}-{hashlib.sha256(desc.encode()).hexdigest()[:16]}"
+
+
+def products(model: object) -> str:
+    """Which kernel serves a model's linear products: `mlx` (MLX's own, through the BLAS that
+    `device_name` names) or the oneDNN kernel's dtype and threads (`runtime/kernel.py`)."""
+    from ondevice.runtime import kernel
+
+    served = [m for _, m in model.named_modules() if isinstance(m, kernel.KernelLinear)]  # type: ignore[attr-defined]
+    if not served:
+        return "mlx"
+    import mlx.core as mx
+
+    kind = "bf16" if served[0].weight.dtype == mx.bfloat16 else "f32"
+    threads = served[0].threads or kernel.default_threads()
+    return f"onednn-{kind} x{threads}"
 
 
 def profile_path(device: str, key: str) -> Path:
@@ -176,7 +250,13 @@ def measure(
     engine.reset()
     # A profile must not decrease with size (timing noise): the tree sizer assumes it.
     secs = np.maximum.accumulate([float(np.median(times[n])) for n in sizes]).tolist()
-    return CostProfile(list(sizes), secs, device_name(), engine_key(engine), context)
+    from ondevice.runtime.engines import innermost
+
+    model = getattr(innermost(engine), "model", None)
+    kernel = products(model) if hasattr(model, "named_modules") else engine.name
+    return CostProfile(
+        list(sizes), secs, device_name(), engine_key(engine), context, time.time(), kernel=kernel
+    )
 
 
 def load_profile(
@@ -186,18 +266,79 @@ def load_profile(
     measure_if_missing: bool = True,
     path: Path | None = None,
 ) -> CostProfile | None:
-    """The cached profile of `engine` on this device, measured (and cached) if missing."""
-    path = path or profile_path(device_name(), engine_key(engine))
-    if path.exists():
-        try:
-            return CostProfile.from_json(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-            pass  # unreadable or old: measure again
+    """The cached profile of `engine` on this device, measured (and cached) if missing, if it
+    was measured for another device or engine, or if live passes marked it stale (see the
+    module; a stale one is returned as it is without `measure_if_missing`)."""
+    device, key = device_name(), engine_key(engine)
+    path = path or profile_path(device, key)
+    found = _read(path)
+    if found is not None and not found.matches(device, key):
+        found = None
+    if found is not None and (not found.stale or not measure_if_missing):
+        return found
     if not measure_if_missing:
         return None
+    if found is not None:
+        print(
+            f"ondevice: measuring pass costs again ({path.name}): live passes took "
+            f"{found.live_ratio:.2f}x the cached profile",
+            file=sys.stderr,
+            flush=True,
+        )
     prof = measure(engine, sizes)
     save_profile(path, prof.to_json())
+    prof.path = path
     return prof
+
+
+def _read(path: Path) -> CostProfile | None:
+    """The profile in `path`, or None where it is missing, unreadable or of an old format."""
+    try:
+        prof = CostProfile.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
+        return None
+    prof.path = path
+    return prof
+
+
+class CostWatch:
+    """Judges a generation's live verifier passes against the profile it sized them with, and
+    records a strike or a stale mark in the profile's file (see the module's "Staleness").
+    Nothing it does changes the profile the generation holds."""
+
+    def __init__(self, profile: CostProfile):
+        self.profile = profile
+        self.ratios: list[float] = []
+        self.seen = 0
+        self.judged = False
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A verifier pass over n tokens took `seconds`."""
+        self.seen += 1
+        if self.judged or self.seen <= DRIFT_WARMUP:
+            return
+        self.ratios.append(seconds / max(float(self.profile(n)), 1e-12))
+        if len(self.ratios) >= DRIFT_PASSES:
+            self.judged = True
+            self.judge(float(np.median(self.ratios)))
+
+    def judge(self, ratio: float) -> None:
+        path = self.profile.path
+        disagrees = not 1 / DRIFT_FACTOR <= ratio <= DRIFT_FACTOR
+        if path is None or not self.profile.measured:  # written by hand: what someone chose
+            return
+        now = _read(path)  # the file as it is now (another process may have re-measured it)
+        if now is None or now.seconds != self.profile.seconds:
+            return
+        if not disagrees and not now.strikes:
+            return
+        now.strikes = now.strikes + 1 if disagrees else 0
+        now.live_ratio = ratio
+        now.stale = now.strikes >= DRIFT_STRIKES
+        try:
+            save_profile(path, now.to_json())
+        except OSError:  # a read-only cache: the profile stays as it is
+            pass
 
 
 def save_profile(path: Path, doc: dict) -> None:
@@ -282,6 +423,15 @@ class SkipSet:
             f"{self.agreement:.3f} over {self.tokens} tokens, draft pass {self.draft_fraction:.2f}"
             f" of a verifier pass, predicted {self.speedup:.2f}x plain"
         )
+
+
+def cached_profiles() -> list[CostProfile]:
+    """Every pass-cost profile cached on this machine (for `ondevice doctor`)."""
+    from ondevice.sources.hub import cache_dir
+
+    paths = sorted((cache_dir() / "profiles").glob("*.json"))
+    found = (_read(p) for p in paths if not p.name.startswith("skip-"))
+    return [p for p in found if p is not None]
 
 
 def cached_skip_sets() -> list[tuple[Path, SkipSet]]:

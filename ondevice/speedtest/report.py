@@ -242,4 +242,8 @@ def table(results: dict[str, Any]) -> str:
                 )
                 row += f"{cell:>18}"
             lines.append(row)
+    left_out = {
+        k: v for r in results.get("records", []) for k, v in (r.get("auto_left_out") or {}).items()
+    }
+    lines += [f"auto left out {name}: {why}" for name, why in sorted(left_out.items())]
     return "\n".join(lines)

@@ -190,6 +190,7 @@ class Bench:
                 time_verify_s=stats.get("time_verify_s"),
                 draft_backend=stats.get("draft_backend"),
                 rounds_by_method=stats.get("rounds_by_method"),  # auto's choices, per proposer
+                auto_left_out=stats.get("auto_left_out"),  # auto's candidates left out, and why
             )
         self._derive(rec)
         return rec

@@ -1,0 +1,221 @@
+"""Pass-cost profiles that are not stale (issue 26 item 4): a profile is named and checked by what
+determines the cost (the kernel serving the products among it), live passes that disagree with it
+for several generations get it measured again, and `ondevice doctor` lists what is cached.
+`auto`'s candidates without a draft model (issue 30 item 4) are at the end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import tiny
+from support.engines import TableEngine
+
+from ondevice.decoders import registry
+from ondevice.decoders.factory import make_decoder
+from ondevice.models import load_model
+from ondevice.proposers import layer_skip
+from ondevice.proposers.base import NoProposal, Unavailable
+from ondevice.proposers.resources import Speculation
+from ondevice.rules.sampling import SamplingParams
+from ondevice.runtime import kernel, pass_costs
+from ondevice.runtime.engines import MLXEngine
+from ondevice.runtime.pass_costs import (
+    DRIFT_PASSES,
+    DRIFT_WARMUP,
+    CostProfile,
+    CostWatch,
+    device_name,
+    engine_key,
+    load_profile,
+    profile_path,
+)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def _generation(watch: CostWatch, ratio: float) -> None:
+    """One generation's timed passes, each `ratio` times what the profile says."""
+    for n in [1, 2] * ((DRIFT_WARMUP + DRIFT_PASSES) // 2 + 1):
+        watch.observe(n, float(watch.profile(n)) * ratio)
+
+
+@pytest.mark.skipif(not kernel.available(), reason="no CPU kernel here")
+def test_a_profile_measured_with_mlx_products_is_not_read_once_the_kernel_serves(home, tmp_path):
+    model = load_model(tiny.write_model(tmp_path / "v", seed=1)).model
+    before = engine_key(MLXEngine(model))
+    load_profile(MLXEngine(model), sizes=(1, 2))
+    assert pass_costs.products(model) == "mlx"
+    kernel.serve(model, "f32")  # float32 weights either way: only the kernel differs
+    assert pass_costs.products(model) == f"onednn-f32 x{kernel.default_threads()}"
+    after = engine_key(MLXEngine(model))
+    assert after != before
+    prof = load_profile(MLXEngine(model), sizes=(1, 2))
+    assert prof.model == after  # measured for the served model, not the MLX one's file
+    assert prof.kernel == pass_costs.products(model) and "onednn-f32" in prof.describe()
+    assert len(list((home / "profiles").glob("*.json"))) == 2
+
+
+def test_a_file_measured_for_another_device_or_engine_is_measured_again(home):
+    eng = TableEngine.cycle()
+    path = profile_path(device_name(), engine_key(eng))
+    path.parent.mkdir(parents=True)
+    other = CostProfile([1, 2], [5.0, 6.0], "another machine", engine_key(eng), 256, 1.0)
+    path.write_text(json.dumps(other.to_json()))
+    prof = load_profile(eng, sizes=(1, 2))
+    assert eng.fed > 0 and prof.device == device_name() and prof.seconds != [5.0, 6.0]
+    # an old format (no kernel in its name, no measurement time) is not read either
+    path.write_text(json.dumps({**prof.to_json(), "format": 1}))
+    fed = eng.fed
+    load_profile(eng, sizes=(1, 2))
+    assert eng.fed > fed
+
+
+def test_live_passes_that_disagree_for_generations_get_the_profile_measured_again(home):
+    eng = TableEngine.cycle()
+    prof = load_profile(eng, sizes=(1, 2, 4))
+    assert prof.measured > 0 and prof.path is not None
+    fed = eng.fed
+
+    def on_disk() -> CostProfile:
+        return CostProfile.from_json(json.loads(prof.path.read_text()))
+
+    first = CostWatch(prof)
+    _generation(first, 3.0)  # the machine got three times slower
+    assert first.judged and on_disk().strikes == 1 and not on_disk().stale
+    assert prof.strikes == 0 and prof.seconds == on_disk().seconds  # the generation's own copy
+    assert load_profile(eng, sizes=(1, 2, 4)).seconds == prof.seconds and eng.fed == fed
+    _generation(CostWatch(load_profile(eng, sizes=(1, 2, 4))), 3.0)
+    assert on_disk().stale and on_disk().live_ratio == pytest.approx(3.0)
+    assert "stale" in on_disk().describe()
+    again = load_profile(eng, sizes=(1, 2, 4))  # the next generation measures it again
+    assert eng.fed > fed and not again.stale and again.strikes == 0
+    # one strike, then a generation that agrees: cleared
+    _generation(CostWatch(again), 0.2)
+    assert on_disk().strikes == 1
+    _generation(CostWatch(load_profile(eng, sizes=(1, 2, 4))), 1.1)
+    assert on_disk().strikes == 0 and not on_disk().stale
+    # too few passes: not judged
+    short = CostWatch(again)
+    for _ in range(DRIFT_WARMUP + DRIFT_PASSES - 1):
+        short.observe(1, 100.0)
+    assert not short.judged and on_disk().strikes == 0
+
+
+def test_a_profile_written_by_hand_is_never_judged(home):
+    eng = TableEngine.cycle()
+    path = profile_path(device_name(), engine_key(eng))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(CostProfile([1, 2], [5.0, 6.0]).to_json()))
+    for _ in range(3):
+        _generation(CostWatch(load_profile(eng, sizes=(1, 2))), 1e-4)
+    assert json.loads(path.read_text())["strikes"] == 0 and eng.fed == 0
+
+
+def test_generations_time_their_passes_for_the_watch(home, tmp_path):
+    model = load_model(tiny.write_model(tmp_path / "v", seed=1)).model
+    dec = make_decoder(MLXEngine(model), None, SamplingParams(), Speculation(method="pld"))
+    list(dec.run([5, 6, 7, 5, 6, 7, 5, 6], 12))
+    assert dec.cost_watch is not None and dec.cost_watch.seen == dec.stats.rounds > 0
+
+
+def test_doctor_lists_the_profiles_with_what_they_were_measured_for(home):
+    from ondevice.apps import doctor
+
+    prof = load_profile(TableEngine.cycle(), sizes=(1, 2))
+    report = doctor.collect()
+    [listed] = report["profiles"]
+    assert listed["model"] == prof.model and listed["measured"] == prof.measured
+    text = doctor.render(report)
+    assert f"pass costs  {prof.model}" in text and "measured 20" in text
+
+
+# -- auto without a draft model -----------------------------------------------------------------
+
+
+@pytest.fixture
+def verifier(home, tmp_path):
+    model = load_model(tiny.write_model(tmp_path / "v", seed=3, layers=4)).model
+    path = profile_path(device_name(), engine_key(MLXEngine(model)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flat = CostProfile(list(pass_costs.SIZES), [1.0 + 0.02 * n for n in pass_costs.SIZES])
+    path.write_text(json.dumps(flat.to_json()))
+    layer_skip._MEMORY.clear()
+    yield model
+    layer_skip._MEMORY.clear()
+
+
+def _auto(model, draft=None):
+    dec = make_decoder(MLXEngine(model), draft, SamplingParams(), Speculation(method="auto"))
+    return dec, [p.name for p in dec.proposer.proposers]
+
+
+def _cache_skip_set(model, speedup: float) -> None:
+    """Cache a skip set for `model` that predicts `speedup` over plain decoding."""
+    skip = layer_skip.load_skip_set(model, [5, 6, 7, 8] * 4, None, cache=False)
+    path = layer_skip.skip_set_path(model)
+    pass_costs.save_profile(path, {**skip.to_json(), "speedup": speedup})
+    layer_skip._MEMORY.clear()  # a new process: only the cached file
+
+
+def test_auto_without_a_draft_takes_self_only_with_a_cached_skip_set_that_pays(
+    verifier, monkeypatch
+):
+    def no_search(*a, **k):
+        raise AssertionError("auto must not start a skip-set search")
+
+    dec, names = _auto(verifier)
+    assert names == ["plain", "pld", "lookahead"]
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    monkeypatch.setattr(layer_skip, "search_skip_set", no_search)
+    list(dec.run(prompt, 8))
+    assert "skip set" in dec.extra_stats()["auto_left_out"]["self"]
+    monkeypatch.undo()
+    _cache_skip_set(verifier, 0.9)
+    dec, names = _auto(verifier)
+    assert "self" not in names and "predicts 0.90x" in dec.proposer.left_out["self"]
+    _cache_skip_set(verifier, 1.3)
+    monkeypatch.setattr(layer_skip, "search_skip_set", no_search)
+    dec, names = _auto(verifier)
+    assert names == ["plain", "pld", "lookahead", "self"]
+    out = [t for r in dec.run(prompt, 24) for t in r.tokens]
+    plain = make_decoder(MLXEngine(verifier), None, SamplingParams())
+    assert out == [t for r in plain.run(prompt, 24) for t in r.tokens]
+    assert "auto_left_out" not in dec.extra_stats()
+
+
+def test_auto_builds_every_registered_candidate_and_says_why_it_left_one_out(verifier):
+    def missing(res, spec):
+        raise Unavailable("no heads trained for this verifier")
+
+    registry.register(registry.Method("heads", "test", "-", proposer=missing, in_auto=True))
+    registry.register(
+        registry.Method("nothing", "test", "-", proposer=lambda r, s: NoProposal(), in_auto=True)
+    )
+    registry.register(registry.Method("hidden", "test", "-", proposer=missing))  # not in auto
+    try:
+        dec, names = _auto(verifier)
+        assert names == ["plain", "pld", "lookahead", "plain"]  # "nothing"'s NoProposal
+        assert dec.extra_stats()["auto_left_out"] == {
+            "self": dec.proposer.left_out["self"],
+            "heads": "no heads trained for this verifier",
+        }
+    finally:
+        for name in ("heads", "nothing", "hidden"):
+            registry.unregister(name)
+
+
+def test_auto_with_a_draft_keeps_its_candidates_and_adds_a_cached_self(verifier, tmp_path):
+    draft = MLXEngine(load_model(tiny.write_model(tmp_path / "d", seed=4, layers=1)).model)
+    _, names = _auto(verifier, draft)
+    # the draft's candidates first (the likeliest to pay get the first tries), then the others
+    assert names == ["plain", "greedy-path", "tree", "cascade", "pld"]
+    _cache_skip_set(verifier, 1.3)
+    dec, with_self = _auto(verifier, draft)
+    assert with_self == [*names, "self"]
+    assert set(dec.proposer.left_out) == {"lookahead"}
+    assert registry.METHODS["self"].in_auto and not registry.METHODS["tree"].in_auto
