@@ -185,7 +185,7 @@ def test_auto_without_a_draft_takes_self_only_with_a_cached_skip_set_that_pays(
     out = [t for r in dec.run(prompt, 24) for t in r.tokens]
     plain = make_decoder(MLXEngine(verifier), None, SamplingParams())
     assert out == [t for r in plain.run(prompt, 24) for t in r.tokens]
-    assert "auto_left_out" not in dec.extra_stats()
+    assert "self" not in dec.extra_stats().get("auto_left_out", {})  # medusa is: no heads
 
 
 def test_auto_builds_every_registered_candidate_and_says_why_it_left_one_out(verifier):
@@ -200,10 +200,13 @@ def test_auto_builds_every_registered_candidate_and_says_why_it_left_one_out(ver
     try:
         dec, names = _auto(verifier)
         assert names == ["plain", "pld", "lookahead", "plain"]  # "nothing"'s NoProposal
-        assert dec.extra_stats()["auto_left_out"] == {
+        left_out = dec.extra_stats()["auto_left_out"]
+        assert left_out == {
             "self": dec.proposer.left_out["self"],
+            "medusa": left_out["medusa"],  # no heads in the test's cache either
             "heads": "no heads trained for this verifier",
         }
+        assert "ondevice distill --heads medusa" in left_out["medusa"]
     finally:
         for name in ("heads", "nothing", "hidden"):
             registry.unregister(name)
@@ -217,5 +220,5 @@ def test_auto_with_a_draft_keeps_its_candidates_and_adds_a_cached_self(verifier,
     _cache_skip_set(verifier, 1.3)
     dec, with_self = _auto(verifier, draft)
     assert with_self == [*names, "self"]
-    assert set(dec.proposer.left_out) == {"lookahead"}
+    assert set(dec.proposer.left_out) == {"lookahead", "medusa"}
     assert registry.METHODS["self"].in_auto and not registry.METHODS["tree"].in_auto
