@@ -15,12 +15,14 @@ their input (q/k/v, gate/up) become one (`KernelPart`), so a pass makes four a l
 head; the glue still avoids per-product work: weights are converted once at load, one
 primitive is built per (K, N) and reused, and each thread keeps fixed input/output buffers.
 
-Threads: oneDNN runs on OpenMP (libgomp). Each product runs on one thread unless
-`ONDEVICE_KERNEL_THREADS` says otherwise: a pass makes about a hundred products, each an OpenMP
-fork/join that waits for every thread of its team, so on a shared machine one preempted worker
-stalls the pass, and the pipelined decoder runs the draft beside the verifier anyway (measured in
-docs/benchmarks.md, "issue 26: pass cost"). Machines without the wheel (Linux arm64) or with
-`ONDEVICE_KERNEL=mlx` keep MLX's products; the Mac never uses this module (MLX on Metal).
+Threads: oneDNN runs on OpenMP (libgomp). Each product runs on as many threads as the process
+may use (its CPU affinity) unless `ONDEVICE_KERNEL_THREADS` says otherwise: a one-token product
+is bound by memory, and one core alone does not draw the machine's bandwidth (docs/benchmarks.md,
+"Issue 26, session 3", measured idle). On a machine shared with other busy jobs, each of a
+pass's ~100 products is a fork/join that waits for a preempted thread, and one thread per
+product (`ONDEVICE_KERNEL_THREADS=1`) measured better there. Machines without the wheel (Linux
+arm64) or with `ONDEVICE_KERNEL=mlx` keep MLX's products; the Mac never uses this module (MLX
+on Metal).
 
 Batch invariance: a row's result must not depend on how many tokens share the pass (plain and
 speculative decoding must give bitwise-identical greedy tokens), but a library may pick
@@ -73,7 +75,7 @@ SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # tra
 ROWS = 16  # every product runs at this many rows (see "Batch invariance" above)...
 PREFILL_ROWS = 128  # ...or, in a pass over more than ROWS tokens (a prompt), in chunks of this
 KEY_BLOCK = 128  # attention reads the keys in blocks of this many (see `attention`)
-THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default 1, see below)
+THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default: all usable)
 
 # oneDNN C API constants (dnnl_types.h, oneDNN 3.x)
 _F32, _BF16 = 3, 2  # dnnl_data_type_t
@@ -272,12 +274,16 @@ def _open() -> _OneDNN | None:
 
 
 def default_threads() -> int:
-    """OpenMP threads per product: `ONDEVICE_KERNEL_THREADS`, else one."""
+    """OpenMP threads per product: `ONDEVICE_KERNEL_THREADS`, else the cores this process may
+    use (see "Threads" above)."""
     raw = os.environ.get(THREADS_ENV, "").strip()
     try:
-        return max(1, int(raw)) if raw else 1
+        if raw:
+            return max(1, int(raw))
     except ValueError:
         raise ValueError(f"{THREADS_ENV}={raw!r}: give a number of threads, e.g. 1 or 2.") from None
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return max(1, len(usable) if usable else (os.cpu_count() or 1))
 
 
 def choice() -> str:
