@@ -108,26 +108,16 @@ def run(args: argparse.Namespace) -> int:
     summary = distill(
         args.verifier,
         args.output,
-        data_files=args.data,
         layers=args.layers,
         vocab=args.vocab,
-        tokens=args.tokens,
-        resume=args.resume,
-        steps=args.steps,
-        minutes=args.minutes,
         batch_size=args.batch_size or 8,
         seq_len=args.seq_len or 256,
         learning_rate=args.lr or 5e-4,
-        top_k=args.top_k,
         gen_batch=args.gen_batch,
         max_tokens=args.max_tokens,
         embed_bits=args.embed_bits or None,
         max_mb=args.max_mb or None,
-        work_dir=args.work_dir,
-        seed=args.seed,
-        eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every,
-        progress=not args.quiet,
+        **_common(args),
     )
     start = summary.get("acceptance_estimate_start")
     print(
@@ -138,28 +128,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _common(args: argparse.Namespace) -> dict:
+    """The options a draft's and the heads' training share, as both functions name them."""
+    return {
+        "data_files": args.data,
+        "tokens": args.tokens,
+        "resume": args.resume,
+        "steps": args.steps,
+        "minutes": args.minutes,
+        "top_k": args.top_k,
+        "work_dir": args.work_dir,
+        "seed": args.seed,
+        "eval_every": args.eval_every,
+        "checkpoint_every": args.checkpoint_every,
+        "progress": not args.quiet,
+    }
+
+
 def run_heads(args: argparse.Namespace) -> int:
     from ondevice.distill.medusa import distill_heads
 
     summary = distill_heads(
         args.verifier,
         args.output,
-        data_files=args.data,
         num_heads=args.num_heads,
         vocab=args.vocab or 32768,
-        tokens=args.tokens,
-        resume=args.resume,
-        steps=args.steps,
-        minutes=args.minutes,
         batch_size=args.batch_size or 256,
         seq_len=args.seq_len or 512,
         learning_rate=args.lr or 1e-3,
-        top_k=args.top_k,
-        work_dir=args.work_dir,
-        seed=args.seed,
-        eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every,
-        progress=not args.quiet,
+        **_common(args),
     )
     agree = " ".join(f"{a:.3f}" for a in summary["head_agreement"])
     start = summary.get("head_agreement_start")
