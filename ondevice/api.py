@@ -14,13 +14,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from ondevice.decoders import registry
 from ondevice.decoders.base import Decoder
 from ondevice.decoders.factory import make_decoder
-from ondevice.decoders.registry import METHODS as METHODS
 from ondevice.errors import CoreMLRuntimeError, CoreMLUnavailableError, OndeviceError
 from ondevice.models import LoadedModel, load_model
 from ondevice.models.tokenizer import RESERVED_TEMPLATE_ARGS, Tokenizer, check_pair
+from ondevice.proposers import registry
+from ondevice.proposers.registry import METHODS as METHODS
 from ondevice.proposers.resources import Speculation
 from ondevice.results import Chunk, GenerationResult
 from ondevice.rules.sampling import (
@@ -317,7 +317,7 @@ class Generator:
         transforms the distribution of the verifier and of the draft alike, so speculation
         stays exact for the transformed law; unknown names are refused.
         speculative: False runs the verifier alone. method: a name in `METHODS` (the registry
-        `decoders/registry.py` says what each is and what a fixed num_draft_tokens means).
+        `proposers/registry.py` says what each is and what a fixed num_draft_tokens means).
         pipeline: overlap drafting with verification (chain only); None picks what is faster
         for the draft backend. With the same seed and settings the tokens are the same,
         pipelined or not; another method or num_draft_tokens may use the random draws

@@ -11,10 +11,9 @@ import pytest
 import tiny
 from support.engines import TableEngine
 
-from ondevice.decoders import registry
 from ondevice.decoders.factory import make_decoder
 from ondevice.models import load_model
-from ondevice.proposers import layer_skip
+from ondevice.proposers import layer_skip, registry
 from ondevice.proposers.base import NoProposal, Unavailable
 from ondevice.proposers.resources import Speculation
 from ondevice.rules.sampling import SamplingParams

@@ -11,8 +11,8 @@ from support import hidden_head
 
 import ondevice
 from ondevice.decoders.factory import make_decoder
-from ondevice.decoders.registry import Method, register, unregister
 from ondevice.decoders.tree import TreeDecoder
+from ondevice.proposers.registry import Method, register, unregister
 from ondevice.proposers.resources import Speculation
 from ondevice.rules.sampling import SamplingParams
 

@@ -28,8 +28,8 @@ def _subparsers():
 
 def test_choices_are_the_apis():
     from ondevice.api import METHODS as API_METHODS
-    from ondevice.decoders.registry import METHODS as TREE_METHODS
     from ondevice.models.weights import DTYPES
+    from ondevice.proposers.registry import METHODS as TREE_METHODS
     from ondevice.runtime.engines import DRAFT_BACKENDS
 
     assert set(options.METHODS) == set(API_METHODS) == set(TREE_METHODS)

@@ -17,9 +17,9 @@ from support.stats import chi_square_p, exact_joint
 
 import ondevice
 from ondevice.decoders.chain import ChainDecoder
-from ondevice.decoders.registry import METHODS
 from ondevice.errors import ContextLengthError, OndeviceError, TokenizerMismatchError
 from ondevice.models import load_model
+from ondevice.proposers.registry import METHODS
 from ondevice.rules import accept
 from ondevice.rules.sampling import SamplingParams, probabilities
 

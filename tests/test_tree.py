@@ -17,9 +17,9 @@ from support.medusa_heads import write_heads
 from support.stats import chi_square_p, exact_joint
 
 from ondevice.decoders.factory import make_decoder
-from ondevice.decoders.registry import METHODS
 from ondevice.models import load_model
 from ondevice.proposers.draft_tree import DraftState
+from ondevice.proposers.registry import METHODS
 from ondevice.proposers.resources import Speculation
 from ondevice.rules import accept
 from ondevice.rules.sampling import SamplingParams

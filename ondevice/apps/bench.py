@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ondevice.apps import options
-from ondevice.decoders.registry import METHODS
+from ondevice.proposers.registry import METHODS
 
 HELP = "benchmark speculative decoding against plain decoding (and mlx-lm)"
 DESCRIPTION = (

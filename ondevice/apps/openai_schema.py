@@ -239,7 +239,7 @@ class _Request(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     num_draft_tokens: int | None = Field(default=None, ge=1, le=64)
     speculative: bool = True
-    method: str = "chain"  # a name in the method registry (decoders/registry.py)
+    method: str = "chain"  # a name in the method registry (proposers/registry.py)
     # llama.cpp's extensions: a GBNF (or Lark) grammar, a JSON schema, prompt caching
     grammar: NonEmpty | None = None
     json_schema: dict[str, Any] | None = None
@@ -255,7 +255,7 @@ class _Request(BaseModel):
     @field_validator("method")
     @classmethod
     def _method(cls, value: str) -> str:
-        from ondevice.decoders.registry import METHODS
+        from ondevice.proposers.registry import METHODS
 
         if value not in METHODS:
             raise ValueError(f"unknown method {value!r}; choose one of {', '.join(METHODS)}")

@@ -13,14 +13,14 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ondevice.decoders.registry import METHODS
 from ondevice.errors import OndeviceError
+from ondevice.proposers.registry import METHODS
 
 if TYPE_CHECKING:
     from ondevice.api import Generator
 
 # the same lists as runtime.engines.DRAFT_BACKENDS and load()'s dtypes (test_options checks);
-# the methods are the registry's (decoders/registry.py)
+# the methods are the registry's (proposers/registry.py)
 DRAFT_BACKENDS = ("auto", "coreml", "reference", "mlx")
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZE_BITS = (4, 8)

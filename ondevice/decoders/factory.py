@@ -1,5 +1,5 @@
 """The one decoder factory: `make_decoder(verifier, draft, params, spec)` for every method of
-the registry (`decoders/registry.py`).
+the registry (`proposers/registry.py`).
 
 Every decoder it returns is a `Decoder` (`decoders/base.py`), and a seed means the same for all
 of them (position-keyed noise).
@@ -14,9 +14,9 @@ from ondevice.decoders.base import Decoder
 from ondevice.decoders.chain import ChainDecoder
 from ondevice.decoders.pipelined import PipelinedDecoder
 from ondevice.decoders.plain import PlainGreedyDecoder
-from ondevice.decoders.registry import method
 from ondevice.decoders.tree import Rule, TreeDecoder
 from ondevice.errors import OndeviceError
+from ondevice.proposers.registry import method
 from ondevice.proposers.resources import Resources, Speculation
 from ondevice.rules.chooser import CustomRule
 from ondevice.rules.engine import Engine

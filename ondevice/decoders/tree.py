@@ -5,7 +5,7 @@
 seq[-1] (the root) with every proposed node, at positions root + depth under a tree mask, and
 afterwards keeps only the root and the accepted path (`KVCache.keep`), so the cache again holds
 the committed sequence minus its last token. The acceptance rule is `accept.multi_draft` (greedy:
-`accept.greedy_tree`), with the position-keyed noise of `noise.py`. `decoders/registry.py` builds
+`accept.greedy_tree`), with the position-keyed noise of `noise.py`. `proposers/registry.py` builds
 it for each method.
 """
 

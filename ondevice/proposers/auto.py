@@ -193,7 +193,7 @@ def build(res: Resources, spec: Speculation) -> AutoProposer:
     draft, the draft's greedy path, its tree and the cascade; num_draft_tokens fixes each
     candidate's size. A candidate whose builder raises `Unavailable` is left out, with its
     reason in `left_out` (the decoder's stats show it as "auto_left_out")."""
-    from ondevice.decoders.registry import METHODS
+    from ondevice.proposers.registry import METHODS
 
     # the order tries are made in, the likeliest to pay first (tries are budgeted)
     cands: list[Proposer] = [NoProposal()]

@@ -1,7 +1,7 @@
 """What a decoder and its proposer are built from, as two objects built once per generation:
 
 - `Speculation`: how to speculate (the method, what `num_draft_tokens` fixes, pipelining, cost
-  profiles, the tree mode); the registry (`decoders/registry.py`) says what each field means
+  profiles, the tree mode); the registry (`proposers/registry.py`) says what each field means
   for each method.
 - `Resources`: the shared parts (the verifier, the draft and its cache state, the sampling
   parameters, the measured pass costs). A proposer's builder reads what it needs from it, so a
@@ -30,7 +30,7 @@ TREE_MODES = ("dynamic", "sampled")
 class Speculation:
     """How one generation speculates.
 
-    method: a name in `decoders.registry.METHODS`.
+    method: a name in `proposers.registry.METHODS`.
     num_draft_tokens: None lets the cost profiles size each proposal; otherwise what it fixes
         depends on the method (`Method.num_draft_tokens` in the registry says what).
     pipeline: chain only: the draft works while the verifier checks (same tokens either way).

@@ -17,8 +17,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ondevice.decoders.registry import METHODS
 from ondevice.errors import OndeviceError
+from ondevice.proposers.registry import METHODS
 from ondevice.runtime.memory import param_bytes
 from ondevice.speedtest.peers import SPEC, MlxLmPeer, Steps, mlx_lm_rounds, spec_k
 from ondevice.speedtest.prompts import BenchPrompt
