@@ -45,7 +45,7 @@ def plain_speed(binary: Path, model: str, threads: int, tokens: int) -> str:
 def speculative(binary: Path, verifier: str, draft: str, threads: int, tokens: int, n_max: int):
     text = run([str(binary / "llama-speculative-simple"), "-m", verifier, "-md", draft,
                 "-p", DEFAULT_PROMPT, "-n", str(tokens), "--temp", "0", "-t", str(threads),
-                "--spec-draft-n-max", str(n_max), "-s", "0"])  # fmt: skip
+                "--spec-type", "draft-simple", "--spec-draft-n-max", str(n_max), "-s", "0"])  # fmt: skip
     speed = re.search(
         r"decoded\s+(\d+)\s+tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", text
     )
