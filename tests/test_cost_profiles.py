@@ -48,14 +48,14 @@ def test_a_profile_measured_with_mlx_products_is_not_read_once_the_kernel_serves
     model = load_model(tiny.write_model(tmp_path / "v", seed=1)).model
     before = engine_key(MLXEngine(model))
     load_profile(MLXEngine(model), sizes=(1, 2))
-    assert pass_costs.products(model) == "mlx"
+    assert kernel.products(model) == "mlx"
     kernel.serve(model, "f32")  # float32 weights either way: only the kernel differs
-    assert pass_costs.products(model) == f"onednn-f32 x{kernel.default_threads()}"
+    assert kernel.products(model) == f"onednn-f32 x{kernel.default_threads()}"
     after = engine_key(MLXEngine(model))
     assert after != before
     prof = load_profile(MLXEngine(model), sizes=(1, 2))
     assert prof.model == after  # measured for the served model, not the MLX one's file
-    assert prof.kernel == pass_costs.products(model) and "onednn-f32" in prof.describe()
+    assert prof.kernel == kernel.products(model) and "onednn-f32" in prof.describe()
     assert len(list((home / "profiles").glob("*.json"))) == 2
 
 

@@ -23,9 +23,9 @@ class AutoProposer:
 
     Plain steps' tokens per second is known from the cost profile (one token per one-token
     pass), so they are never tried to find it out, and a candidate that scores as much (prompt
-    lookup whose rounds found no match: each was a plain step) is preferred to them on the tie. Each other candidate is tried up to `explore`
-    rounds (first tries of all before second ones); afterwards the one with the best tokens per
-    second (tokens per round over seconds per round, each an exponential average over rounds, so
+    lookup whose rounds found no match: each was a plain step) is preferred to them on the tie.
+    Each other candidate is tried up to `explore` rounds (first tries of all before second
+    ones); afterwards the one with the best tokens per second (tokens per round over seconds per round, each an exponential average over rounds, so
     a score last updated long ago counts for little against a fresh try) proposes. A losing
     candidate gets one round again after `period` rounds of the others (at most one such
     re-check per `period` rounds, the least recently tried first), so a change in the text (a
@@ -64,6 +64,7 @@ class AutoProposer:
         max_backoff: int = 8,
         decay: float = 0.8,
         explore_share: float = EXPLORE_SHARE,
+        left_out: dict[str, str] | None = None,
     ):
         if not proposers:
             raise ValueError("auto needs at least one proposer")
@@ -75,7 +76,7 @@ class AutoProposer:
         self.explore_share = explore_share
         # plain steps: a known score, never tried or re-checked
         self.known = [isinstance(p, NoProposal) for p in self.proposers]
-        self.left_out: dict[str, str] = {}  # candidates `build` left out, and why
+        self.left_out = dict(left_out or {})  # candidates `build` left out, and why
         self.wants_hidden = any(wants_hidden(p) for p in self.proposers)
         self._reset_scores()
 
@@ -210,6 +211,5 @@ def build(res: Resources, spec: Speculation) -> AutoProposer:
             left_out[m.name] = str(e)
     # unprofiled: every pass costs the same
     vcost = res.verify_cost if res.verify_cost is not None else CostProfile([1], [1.0])
-    auto = AutoProposer(cands, vcost, [res.draft] if res.draft is not None else [])
-    auto.left_out = left_out
-    return auto
+    drafts = [res.draft] if res.draft is not None else []
+    return AutoProposer(cands, vcost, drafts, left_out=left_out)

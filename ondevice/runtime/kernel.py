@@ -524,6 +524,16 @@ def serves(model: nn.Module) -> bool:
     return any(isinstance(m, KernelLinear) for _, m in model.named_modules())
 
 
+def products(model: nn.Module) -> str:
+    """Which kernel serves a model's linear products, as pass-cost profiles name it: `mlx`
+    (MLX's own, through its BLAS) or this kernel's dtype and threads (`onednn-bf16 x2`)."""
+    served = next((m for _, m in model.named_modules() if isinstance(m, KernelLinear)), None)
+    if served is None:
+        return "mlx"
+    kind = "bf16" if served.weight.dtype == mx.bfloat16 else "f32"
+    return f"onednn-{kind} x{served.threads or default_threads()}"
+
+
 def batch_invariant(model: nn.Module) -> bool:
     """Whether a row's logits do not depend on how many tokens share the pass: every product
     of the model is the kernel's (a layer left quantized keeps MLX's) and so is attention."""

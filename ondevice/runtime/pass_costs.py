@@ -67,7 +67,7 @@ class CostProfile:
     strikes: int = 0  # generations in a row whose live passes disagreed (see the module)
     stale: bool = False  # measure again at the next load
     live_ratio: float = 0.0  # the last judged generation's live / profiled pass time
-    kernel: str = ""  # what served the products, for people (`products`; in `model`'s key)
+    kernel: str = ""  # what served the products, for people (`kernel.products`; in `model`'s key)
     path: Path | None = field(default=None, compare=False, repr=False)  # the file it came from
 
     def __call__(self, n: int | np.ndarray) -> np.ndarray | float:
@@ -163,8 +163,8 @@ def device_name() -> str:
 
 def engine_key(engine: Engine) -> str:
     """What determines an engine's pass cost: its architecture, the dtypes of its weights and
-    which kernel serves its linear products (`products`; not the weight values), or for non-MLX
-    engines their kind, vocabulary and context."""
+    which kernel serves its linear products (`kernel.products`; not the weight values), or for
+    non-MLX engines their kind, vocabulary and context."""
     from ondevice.runtime.engines import innermost
 
     engine = innermost(engine)  # a draft window costs what its engine does
@@ -173,6 +173,8 @@ def engine_key(engine: Engine) -> str:
     if cfg is not None and is_dataclass(cfg):
         import mlx.core as mx
         from mlx.utils import tree_flatten
+
+        from ondevice.runtime.kernel import products
 
         dtypes = sorted(
             {str(v.dtype) for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)}
@@ -192,21 +194,6 @@ def engine_key(engine: Engine) -> str:
             path = [str(path), package_digest(path), platform.mac_ver()[0]]
         desc = json.dumps([engine.name, engine.vocab_size, engine.context_length, path or ""])
     return f"{engine.name}-{hashlib.sha256(desc.encode()).hexdigest()[:16]}"
-
-
-def products(model: object) -> str:
-    """Which kernel serves a model's linear products: `mlx` (MLX's own, through the BLAS that
-    `device_name` names) or the oneDNN kernel's dtype and threads (`runtime/kernel.py`)."""
-    from ondevice.runtime import kernel
-
-    served = [m for _, m in model.named_modules() if isinstance(m, kernel.KernelLinear)]  # type: ignore[attr-defined]
-    if not served:
-        return "mlx"
-    import mlx.core as mx
-
-    kind = "bf16" if served[0].weight.dtype == mx.bfloat16 else "f32"
-    threads = served[0].threads or kernel.default_threads()
-    return f"onednn-{kind} x{threads}"
 
 
 def profile_path(device: str, key: str) -> Path:
@@ -253,7 +240,12 @@ def measure(
     from ondevice.runtime.engines import innermost
 
     model = getattr(innermost(engine), "model", None)
-    kernel = products(model) if hasattr(model, "named_modules") else engine.name
+    if hasattr(model, "named_modules"):
+        from ondevice.runtime.kernel import products
+
+        kernel = products(model)
+    else:
+        kernel = engine.name
     return CostProfile(
         list(sizes), secs, device_name(), engine_key(engine), context, time.time(), kernel=kernel
     )
