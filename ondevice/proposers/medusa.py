@@ -45,6 +45,7 @@ from ondevice.proposers.draft_tree import top_tokens
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.engines import innermost
+from ondevice.runtime.pass_costs import profiles_dir
 
 if TYPE_CHECKING:
     from ondevice.proposers.resources import Resources, Speculation
@@ -100,9 +101,7 @@ def verifier_fingerprint(model: Model) -> str:
 
 def heads_cache_path(model: Model) -> Path:
     """Where heads for `model` are found without `heads=`: beside its cached profiles."""
-    from ondevice.sources.hub import cache_dir
-
-    return cache_dir() / "profiles" / f"medusa-{verifier_fingerprint(model)}"
+    return profiles_dir() / f"medusa-{verifier_fingerprint(model)}"
 
 
 @dataclass

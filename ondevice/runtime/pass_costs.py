@@ -196,11 +196,16 @@ def engine_key(engine: Engine) -> str:
     return f"{engine.name}-{hashlib.sha256(desc.encode()).hexdigest()[:16]}"
 
 
-def profile_path(device: str, key: str) -> Path:
+def profiles_dir() -> Path:
+    """The folder of this machine's measured profiles (pass costs, skip sets, Medusa heads)."""
     from ondevice.sources.hub import cache_dir
 
+    return cache_dir() / "profiles"
+
+
+def profile_path(device: str, key: str) -> Path:
     dev = hashlib.sha256(device.encode()).hexdigest()[:12]
-    return cache_dir() / "profiles" / f"{key}-{dev}.json"
+    return profiles_dir() / f"{key}-{dev}.json"
 
 
 def measure(
@@ -419,19 +424,15 @@ class SkipSet:
 
 def cached_profiles() -> list[CostProfile]:
     """Every pass-cost profile cached on this machine (for `ondevice doctor`)."""
-    from ondevice.sources.hub import cache_dir
-
-    paths = sorted((cache_dir() / "profiles").glob("*.json"))
+    paths = sorted(profiles_dir().glob("*.json"))
     found = (_read(p) for p in paths if not p.name.startswith("skip-"))
     return [p for p in found if p is not None]
 
 
 def cached_skip_sets() -> list[tuple[Path, SkipSet]]:
     """Every skip set cached on this machine (for `ondevice doctor`)."""
-    from ondevice.sources.hub import cache_dir
-
     out = []
-    for path in sorted((cache_dir() / "profiles").glob("skip-*.json")):
+    for path in sorted(profiles_dir().glob("skip-*.json")):
         try:
             out.append((path, SkipSet.from_json(json.loads(path.read_text()))))
         except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
