@@ -214,6 +214,15 @@ class Model(nn.Module):
         return (logits, h) if hidden else logits
 
 
+def norm_weights(model: Model) -> list[mx.array]:
+    """The model's RMSNorm weights, final norm first: small, and changed by any fine-tune, so
+    what identifies its weights cheaply (skip sets, Medusa heads)."""
+    arrays = [model.model.norm.weight]
+    for layer in model.layers:
+        arrays += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    return arrays
+
+
 def _head_rows(layer: nn.Module, h: mx.array, rows: int) -> mx.array:
     """Logits for the first `rows` token ids only (a truncated-vocabulary draft): the output
     matrix's rows are independent, so slicing them (packed ones too) is exact."""

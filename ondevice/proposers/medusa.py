@@ -39,7 +39,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ondevice.errors import OndeviceError
-from ondevice.models.transformer import Model, _head_rows
+from ondevice.models.transformer import Model, _head_rows, norm_weights
 from ondevice.proposers.base import BudgetFn, Unavailable, Verification, cost_budget
 from ondevice.proposers.draft_tree import top_tokens
 from ondevice.rules.noise import PositionNoise
@@ -91,10 +91,7 @@ def verifier_fingerprint(model: Model) -> str:
     cfg = model.config
     shape = f"{cfg.model_type} {cfg.hidden_size} {len(model.layers)} {cfg.vocab_size}"
     h = hashlib.sha256(shape.encode())
-    arrays = [model.model.norm.weight]
-    for layer in model.layers:
-        arrays += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    for a in arrays:
+    for a in norm_weights(model):
         h.update(np.array(a.astype(mx.bfloat16).astype(mx.float32)).tobytes())
     return h.hexdigest()[:16]
 
