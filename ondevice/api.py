@@ -741,7 +741,7 @@ def load(
 
         for loaded in (pair.verifier, pair.draft):
             if loaded is not None:
-                kernel.serve(loaded.model)
+                kernel.serve(loaded.model, calibration=kernel.calibration_tokens(loaded.tokenizer))
     if heads is not None:
         from ondevice.proposers.medusa import check_heads
 

@@ -58,6 +58,7 @@ import ctypes
 import os
 import sys
 import threading
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 ENV = "ONDEVICE_KERNEL"
-CHOICES = ("auto", "bf16", "f32", "mlx")
+CHOICES = ("auto", "bf16", "int8", "f32", "mlx")
 DEFAULT = "auto"  # see "Which tokens" above
 DIST = "onednn-cpu-gomp"  # oneDNN's CPU build with GNU OpenMP: needs only libgomp
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformer.py's
@@ -77,11 +78,57 @@ PREFILL_ROWS = 128  # ...or, in a pass over more than ROWS tokens (a prompt), in
 KEY_BLOCK = 128  # attention reads the keys in blocks of this many (see `attention`)
 THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default: all usable)
 
+CALIBRATION_MAX = 512  # int8: at most this many calibration tokens (see "int8" above)
+CALIBRATION_IDS = 256  # ...or, without a tokenizer, this many ids spread over the vocabulary
+# What int8 models are calibrated on: a little of what assistants are asked (prose, code,
+# arithmetic, a list, another language), the same for every load
+CALIBRATION_TEXT = """\
+<|im_start|>user
+Write a short, friendly email inviting the team to a planning meeting on Thursday.<|im_end|>
+<|im_start|>assistant
+Hi everyone,
+
+I'd like to invite you to our quarterly planning meeting this Thursday at 10:00 in Room 4B.
+We will review last quarter's results, agree on three priorities, and assign owners. Please
+bring one idea you think we should stop doing. Coffee and pastries will be provided!
+
+Best regards,
+Maria
+<|im_end|>
+<|im_start|>user
+Implement binary search in Python and explain its complexity.<|im_end|>
+<|im_start|>assistant
+```python
+def binary_search(items: list[int], target: int) -> int:
+    lo, hi = 0, len(items) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if items[mid] == target:
+            return mid
+        if items[mid] < target:
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return -1
+```
+Each step halves the interval, so it takes O(log n) comparisons and O(1) extra memory.
+
+Q: A train travels 180 km in 2.5 hours. What is its average speed?
+A: 180 / 2.5 = 72, so the average speed is 72 km/h.
+
+1. Photosynthesis converts light energy into chemical energy.
+2. The French Revolution began in 1789.
+3. La vie est belle; el conocimiento es poder; Wissen ist Macht.
+{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+"""
+
 # oneDNN C API constants (dnnl_types.h, oneDNN 3.x)
-_F32, _BF16 = 3, 2  # dnnl_data_type_t
+_F32, _BF16, _S8 = 3, 2, 5  # dnnl_data_type_t
+_FORMAT_ANY = 1  # dnnl_format_tag_any: the primitive chooses the weights' layout
 _CPU = 1  # dnnl_cpu
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS = 1, 17, 33, 41
 _QUERY_IMPL_INFO = 8  # dnnl_query_impl_info_str
+_QUERY_WEIGHTS_MD = 131  # dnnl_query_weights_md
 _Dims = ctypes.c_int64 * 12  # dnnl_dims_t
 
 
@@ -116,11 +163,21 @@ def cpu_has_bf16() -> bool:
 
 
 class _Plan:
-    """One primitive for a (K, N, dtype, bias) product at `ROWS` rows, with its memory objects and
-    its input/output buffers; owned by one thread (data handles are set per call)."""
+    """One primitive for a (K, N, dtype, bias) product at `rows` rows, with its memory objects and
+    its input/output buffers; owned by one thread (data handles are set per call). `wei_md`: the
+    weights' layout where the kernel reordered them at load (int8, `_OneDNN.packed_layout`);
+    None for MLX's own row-major (N, K) buffer."""
 
     def __init__(
-        self, dnnl: _OneDNN, K: int, N: int, dtype: int, bias: bool, rows: int, threads: int
+        self,
+        dnnl: _OneDNN,
+        K: int,
+        N: int,
+        dtype: int,
+        bias: bool,
+        rows: int,
+        threads: int,
+        wei_md: ctypes.c_void_p | None = None,
     ):
         lib = dnnl.lib
         self.lib, self.stream = lib, dnnl.stream
@@ -129,20 +186,16 @@ class _Plan:
         self.threads = threads
         self.set_threads = dnnl.set_threads
         self.set_threads(self.threads)
-        np_dtype = np.uint16 if dtype == _BF16 else np.float32
+        np_dtype = {_BF16: np.uint16, _S8: np.int8}.get(dtype, np.float32)
         self.src = np.zeros((rows, K), np_dtype)
         self.dst = np.zeros((rows, N), np.float32)
         src_md = dnnl.md((rows, K), dtype, (K, 1))
-        wei_md = dnnl.md((K, N), dtype, (1, K))  # MLX's (N, K) weight read as K x N
+        own_wei = wei_md is None
+        if own_wei:
+            wei_md = dnnl.md((K, N), dtype, (1, K))  # MLX's (N, K) weight read as K x N
         dst_md = dnnl.md((rows, N), _F32, (N, 1))
         bias_md = dnnl.md((1, N), _F32, (N, 1)) if bias else None
-        pd = ctypes.c_void_p()
-        dnnl.check(
-            lib.dnnl_matmul_primitive_desc_create(
-                ctypes.byref(pd), dnnl.engine, src_md, wei_md, bias_md, dst_md, None
-            ),
-            "matmul primitive descriptor",
-        )
+        pd = dnnl.matmul(src_md, wei_md, bias_md, dst_md)
         info = ctypes.c_char_p()
         lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0, ctypes.byref(info))
         self.impl = (info.value or b"?").decode()
@@ -150,24 +203,18 @@ class _Plan:
         dnnl.check(lib.dnnl_primitive_create(ctypes.byref(prim), pd), "matmul primitive")
         lib.dnnl_primitive_desc_destroy(pd)
         self.prim = prim
-
-        def memory(md: ctypes.c_void_p, handle: int | None) -> ctypes.c_void_p:
-            m = ctypes.c_void_p()
-            dnnl.check(lib.dnnl_memory_create(ctypes.byref(m), md, dnnl.engine, handle), "memory")
-            return m
-
-        self.wei = memory(wei_md, None)
-        self.bias = memory(bias_md, None) if bias else None
+        self.wei = dnnl.memory(wei_md, None)
+        self.bias = dnnl.memory(bias_md, None) if bias_md is not None else None
         args = [
-            (_ARG_SRC, memory(src_md, self.src.ctypes.data)),
+            (_ARG_SRC, dnnl.memory(src_md, self.src.ctypes.data)),
             (_ARG_WEIGHTS, self.wei),
-            (_ARG_DST, memory(dst_md, self.dst.ctypes.data)),
+            (_ARG_DST, dnnl.memory(dst_md, self.dst.ctypes.data)),
         ]
         if self.bias is not None:
             args.append((_ARG_BIAS, self.bias))
         self.nargs = len(args)
         self.args = (_ExecArg * len(args))(*[_ExecArg(a, m.value) for a, m in args])
-        for md in (src_md, wei_md, dst_md, bias_md):
+        for md in (src_md, wei_md if own_wei else None, dst_md, bias_md):
             if md is not None:
                 lib.dnnl_memory_desc_destroy(md)
 
@@ -198,24 +245,40 @@ class _OneDNN:
                 ctypes.c_int,
                 _Dims,
             ],
+            "dnnl_memory_desc_create_with_tag": [
+                ctypes.POINTER(vp),
+                ctypes.c_int,
+                _Dims,
+                ctypes.c_int,
+                ctypes.c_int,
+            ],
+            "dnnl_memory_desc_clone": [ctypes.POINTER(vp), vp],
             "dnnl_memory_desc_destroy": [vp],
+            "dnnl_reorder_primitive_desc_create": [ctypes.POINTER(vp), vp, vp, vp, vp, vp],
             "dnnl_matmul_primitive_desc_create": [ctypes.POINTER(vp), vp, vp, vp, vp, vp, vp],
             "dnnl_primitive_desc_query": [vp, ctypes.c_int, ctypes.c_int, vp],
             "dnnl_primitive_desc_destroy": [vp],
             "dnnl_primitive_create": [ctypes.POINTER(vp), vp],
             "dnnl_memory_create": [ctypes.POINTER(vp), vp, vp, vp],
+            "dnnl_memory_destroy": [vp],
+            "dnnl_primitive_destroy": [vp],
             "dnnl_memory_set_data_handle": [vp, vp],
             "dnnl_primitive_execute": [vp, vp, ctypes.c_int, vp],
         }
         for name, argtypes in sigs.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        lib.dnnl_primitive_desc_query_md.argtypes = [vp, ctypes.c_int, ctypes.c_int]
+        lib.dnnl_primitive_desc_query_md.restype = vp
+        lib.dnnl_memory_desc_get_size.argtypes = [vp]
+        lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
         self.lib = lib
         self.engine, self.stream = vp(), vp()
         self.check(lib.dnnl_engine_create(ctypes.byref(self.engine), _CPU, 0), "CPU engine")
         # flags 0: the default stream (in-order; execution on the CPU returns when done)
         self.check(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, 1), "stream")
         self._local = threading.local()
+        self._layouts: dict[tuple[int, int, int], ctypes.c_void_p] = {}
         omp = ctypes.CDLL("libgomp.so.1")  # oneDNN's OpenMP runtime, already loaded with it
         self.set_threads = omp.omp_set_num_threads
         self.set_threads.argtypes, self.set_threads.restype = [ctypes.c_int], None
@@ -235,10 +298,101 @@ class _OneDNN:
         )
         return md
 
+    def memory(self, md: ctypes.c_void_p, handle: int | None) -> ctypes.c_void_p:
+        m = ctypes.c_void_p()
+        self.check(self.lib.dnnl_memory_create(ctypes.byref(m), md, self.engine, handle), "memory")
+        return m
+
+    def matmul(
+        self,
+        src_md: ctypes.c_void_p,
+        wei_md: ctypes.c_void_p,
+        bias_md: ctypes.c_void_p | None,
+        dst_md: ctypes.c_void_p,
+    ) -> ctypes.c_void_p:
+        pd = ctypes.c_void_p()
+        self.check(
+            self.lib.dnnl_matmul_primitive_desc_create(
+                ctypes.byref(pd), self.engine, src_md, wei_md, bias_md, dst_md, None
+            ),
+            "matmul primitive descriptor",
+        )
+        return pd
+
+    def packed_layout(self, K: int, N: int, dtype: int) -> ctypes.c_void_p:
+        """The weights' layout oneDNN's matmul prefers at `ROWS` rows (blocked for its dot
+        product instructions), chosen once per shape; every plan of that shape, the prompt's
+        too, reads weights in this layout, so they are reordered once at load (`pack`)."""
+        key = (K, N, dtype)
+        if key not in self._layouts:
+            lib = self.lib
+            any_md = ctypes.c_void_p()
+            self.check(
+                lib.dnnl_memory_desc_create_with_tag(
+                    ctypes.byref(any_md), 2, _Dims(K, N), dtype, _FORMAT_ANY
+                ),
+                "memory descriptor",
+            )
+            src_md = self.md((ROWS, K), dtype, (K, 1))
+            dst_md = self.md((ROWS, N), _F32, (N, 1))
+            self.set_threads(default_threads())
+            pd = self.matmul(src_md, any_md, None, dst_md)
+            chosen = ctypes.c_void_p()
+            lib.dnnl_memory_desc_clone(
+                ctypes.byref(chosen), lib.dnnl_primitive_desc_query_md(pd, _QUERY_WEIGHTS_MD, 0)
+            )
+            lib.dnnl_primitive_desc_destroy(pd)
+            for md in (any_md, src_md, dst_md):
+                lib.dnnl_memory_desc_destroy(md)
+            self._layouts[key] = chosen
+        return self._layouts[key]
+
+    def reorder(
+        self, src_md: ctypes.c_void_p, src: np.ndarray, dst_md: ctypes.c_void_p, dst: np.ndarray
+    ) -> None:
+        """Copy `src` (laid out as `src_md`) into `dst` (as `dst_md`)."""
+        lib = self.lib
+        pd, prim = ctypes.c_void_p(), ctypes.c_void_p()
+        self.check(
+            lib.dnnl_reorder_primitive_desc_create(
+                ctypes.byref(pd), src_md, self.engine, dst_md, self.engine, None
+            ),
+            "reorder",
+        )
+        self.check(lib.dnnl_primitive_create(ctypes.byref(prim), pd), "reorder primitive")
+        lib.dnnl_primitive_desc_destroy(pd)
+        mems = (self.memory(src_md, src.ctypes.data), self.memory(dst_md, dst.ctypes.data))
+        args = (_ExecArg * 2)(_ExecArg(_ARG_SRC, mems[0].value), _ExecArg(_ARG_DST, mems[1].value))
+        status = lib.dnnl_primitive_execute(prim, self.stream, 2, args)
+        for m in mems:
+            lib.dnnl_memory_destroy(m)
+        lib.dnnl_primitive_destroy(prim)
+        if status:
+            raise RuntimeError(f"oneDNN reorder failed (status {status})")
+
+    def pack(self, weight: np.ndarray) -> np.ndarray:
+        """A row-major (N, K) int8 weight in `packed_layout` (a flat buffer)."""
+        N, K = weight.shape
+        layout = self.packed_layout(K, N, _S8)
+        out = np.empty(self.lib.dnnl_memory_desc_get_size(layout), np.int8)
+        plain = self.md((K, N), _S8, (1, K))
+        self.reorder(plain, np.ascontiguousarray(weight), layout, out)
+        self.lib.dnnl_memory_desc_destroy(plain)
+        return out
+
+    def unpack(self, packed: np.ndarray, N: int, K: int) -> np.ndarray:
+        """`pack`'s inverse: the row-major (N, K) int8 weight."""
+        out = np.empty((N, K), np.int8)
+        plain = self.md((K, N), _S8, (1, K))
+        self.reorder(self.packed_layout(K, N, _S8), packed, plain, out)
+        self.lib.dnnl_memory_desc_destroy(plain)
+        return out
+
     def plan(
         self, K: int, N: int, dtype: int, bias: bool, rows: int = ROWS, threads: int = 0
     ) -> _Plan:
-        """The plan of a product (threads: 0 = `default_threads()`)."""
+        """The plan of a product (threads: 0 = `default_threads()`); int8 weights are read in
+        `packed_layout`, the others in MLX's row-major layout."""
         if threads <= 0:
             threads = default_threads()
         plans = getattr(self._local, "plans", None)
@@ -247,7 +401,8 @@ class _OneDNN:
         key = (K, N, dtype, bias, rows, threads)
         p = plans.get(key)
         if p is None:
-            p = plans[key] = _Plan(self, K, N, dtype, bias, rows, threads)
+            layout = self.packed_layout(K, N, dtype) if dtype == _S8 else None
+            p = plans[key] = _Plan(self, K, N, dtype, bias, rows, threads, layout)
         return p
 
 
@@ -377,60 +532,127 @@ def attention(
 
 
 class KernelLinear(nn.Module):
-    """`y = x @ W.T (+ b)` by oneDNN; W kept in the kernel's dtype (bf16 or float32).
+    """`y = x @ W.T (+ b)` by oneDNN; W kept in the kernel's dtype (bf16, int8 or float32).
 
-    `weight` stays an MLX array (of shape (N, K), like nn.Linear's) so the module tree still
-    holds the model's parameters; the kernel reads its buffer in place.
+    bf16/float32: `weight` stays an MLX array of shape (N, K), like nn.Linear's, so the module
+    tree still holds the model's parameters; the kernel reads its buffer in place.
+
+    int8 (see "int8" above): `weight` is the int8 matrix reordered once into oneDNN's blocked
+    layout (`_OneDNN.pack`, a flat buffer) and `scales` its rows' scales; each input row is
+    rounded to int8 with its own scale, the product accumulates in int32 (exact, so any
+    blocking gives the same sums) and the result is scaled back. `dense()` gives the float32
+    (N, K) matrix it computes with.
     """
 
     threads = 0  # OpenMP threads per product (0: `default_threads()`)
+    _record: dict[int, mx.array] | None = None  # calibration: each product's largest inputs
 
     def __init__(self, weight: mx.array, bias: mx.array | None, kind: str):
         super().__init__()
-        dt = mx.bfloat16 if kind == "bf16" else mx.float32
-        self.weight = weight.astype(dt)
+        self.out_features, self.in_features = weight.shape
         if bias is not None:
             self.bias = bias.astype(mx.float32)
-        mx.eval(self.parameters())
+        if kind == "int8":
+            self.to_int8(None, weight)
+            return
         self._dtype = _BF16 if kind == "bf16" else _F32
-        self._np_weight = np.asarray(self.weight.view(mx.uint16) if kind == "bf16" else self.weight)
-        self._np_bias = np.asarray(self.bias) if bias is not None else None
+        self.weight = weight.astype(mx.bfloat16 if kind == "bf16" else mx.float32)
+        self._pointers()
+
+    def _pointers(self) -> None:
+        mx.eval(self.parameters())
+        bf16 = self._dtype == _BF16
+        self._np_weight = np.asarray(self.weight.view(mx.uint16) if bf16 else self.weight)
+        self._np_bias = np.asarray(self.bias) if "bias" in self else None
         self._weight_ptr = self._np_weight.ctypes.data
-        self._bias_ptr = self._np_bias.ctypes.data if bias is not None else None
+        self._bias_ptr = self._np_bias.ctypes.data if self._np_bias is not None else None
+
+    def to_int8(self, input_max: mx.array | None, weight: mx.array | None = None) -> None:
+        """Become an int8 product (in place: joint products' parts keep pointing here).
+        input_max: each input channel's largest magnitude seen in calibration, which sets the
+        smoothing (see "int8" above); None: no smoothing."""
+        w = (self.weight if weight is None else weight).astype(mx.float32)
+        if input_max is not None:
+            # SmoothQuant's per-channel factor: the input divided by s, the weight's columns
+            # multiplied by it, so that both are about as hard to round to int8
+            w_max = mx.abs(w).max(axis=0)
+            s = mx.sqrt(mx.maximum(input_max, 1e-5) / mx.maximum(w_max, 1e-5))
+            s = mx.clip(s, 1e-2, 1e2)
+            self.smooth = 1.0 / s
+            w = w * s
+        self.scales = mx.maximum(mx.abs(w).max(axis=1), 1e-30) / 127.0
+        q = np.asarray(mx.round(w / self.scales[:, None]).astype(mx.int8))
+        del w
+        self.weight = mx.array(_dnnl.pack(q))  # type: ignore[union-attr]
+        self._dtype = _S8
+        self._pointers()
+
+    def dense(self) -> mx.array:
+        """The float32 (N, K) matrix the product computes with (exactly)."""
+        if self._dtype != _S8:
+            return self.weight.astype(mx.float32)
+        q = _dnnl.unpack(self._np_weight, self.out_features, self.in_features)  # type: ignore[union-attr]
+        w = mx.array(q).astype(mx.float32) * self.scales[:, None]
+        return w * self.smooth if "smooth" in self else w
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.first_rows(x, self.weight.shape[0])
+        return self.first_rows(x, self.out_features)
 
     def first_rows(self, x: mx.array, N: int) -> mx.array:
         """The outputs of W's first N rows only (a truncated-vocabulary head): a row-major
-        (N, K) matrix's first rows are a prefix of its buffer."""
-        K = self.weight.shape[1]
+        (N, K) matrix's first rows are a prefix of its buffer (not an int8 one's)."""
+        K = self.in_features
         lead = x.shape[:-1]
         rows = x.reshape(-1, K)
-        if self._dtype == _BF16:
+        if KernelLinear._record is not None:
+            big = mx.abs(rows).max(axis=0).astype(mx.float32)
+            old = KernelLinear._record.get(id(self))
+            KernelLinear._record[id(self)] = big if old is None else mx.maximum(old, big)
+        scale = None
+        if self._dtype == _S8:
+            assert N == self.out_features, "an int8 matrix's rows are not a prefix of its buffer"
+            rows = rows.astype(mx.float32)
+            if "smooth" in self:
+                rows = rows * self.smooth
+            rows, scale = _quantize_rows(rows)
+            mx.eval(rows, scale)
+        elif self._dtype == _BF16:
             rows = rows.astype(mx.bfloat16).view(mx.uint16)
         elif rows.dtype != mx.float32:
             rows = rows.astype(mx.float32)
         mx.eval(rows)
         src = np.asarray(rows)
         M = src.shape[0]
-        bias = self._np_bias is not None
+        # int8: the bias is added after scaling (oneDNN would add it to the integer sums)
+        fused_bias = self._np_bias is not None and scale is None
+        bias_ptr = self._bias_ptr if fused_bias else None
         if M <= ROWS:
-            plan = _dnnl.plan(K, N, self._dtype, bias, ROWS, self.threads)  # type: ignore[union-attr]
+            plan = _dnnl.plan(K, N, self._dtype, fused_bias, ROWS, self.threads)  # type: ignore[union-attr]
             plan.src[:M] = src
-            plan.run(self._weight_ptr, self._bias_ptr)
+            plan.run(self._weight_ptr, bias_ptr)
             out = mx.array(plan.dst[:M])
         else:
-            plan = _dnnl.plan(K, N, self._dtype, bias, PREFILL_ROWS, self.threads)  # type: ignore[union-attr]
+            plan = _dnnl.plan(K, N, self._dtype, fused_bias, PREFILL_ROWS, self.threads)  # type: ignore[union-attr]
             full = np.empty((M, N), np.float32)
             for i in range(0, M, PREFILL_ROWS):
                 n = min(PREFILL_ROWS, M - i)
                 plan.src[:n] = src[i : i + n]
-                plan.run(self._weight_ptr, self._bias_ptr)
+                plan.run(self._weight_ptr, bias_ptr)
                 full[i : i + n] = plan.dst[:n]
             out = mx.array(full)
+        if scale is not None:
+            out = out * self.scales * scale
+            if self._np_bias is not None:
+                out = out + self.bias
         out = out.reshape(*lead, N)
         return out if x.dtype == mx.float32 else out.astype(x.dtype)
+
+
+def _quantize_rows(rows: mx.array) -> tuple[mx.array, mx.array]:
+    """Each row of a (M, K) float32 input as int8 with its own scale (row by row, so a row's
+    values do not depend on the other rows of the pass)."""
+    scale = mx.maximum(mx.abs(rows).max(axis=1, keepdims=True), 1e-30) / 127.0
+    return mx.round(rows / scale).astype(mx.int8), scale
 
 
 class KernelPart(nn.Module):
@@ -499,11 +721,13 @@ def plain_parameters(model: nn.Module) -> dict[str, mx.array]:
             continue
         if isinstance(m, KernelPart):
             j = m._joint
-            out[f"{path}.weight"] = j.weight[m._lo : m._hi].astype(mx.float32)
+            out[f"{path}.weight"] = j.dense()[m._lo : m._hi]
             if "bias" in j:
                 out[f"{path}.bias"] = j.bias[m._lo : m._hi]
         elif isinstance(m, KernelLinear):
-            out[f"{path}.weight"] = m.weight.astype(mx.float32)
+            out[f"{path}.weight"] = m.dense()
+            out.pop(f"{path}.scales", None)
+            out.pop(f"{path}.smooth", None)
     return out
 
 
@@ -511,7 +735,7 @@ def weight_dtype(kind: str | None = None) -> str | None:
     """The dtype a loader should give the linear weights and the embedding, so that `serve`
     finds them converted (`bfloat16`) and no float32 copy of the whole model is ever made;
     None where they stay float32 (or the kernel does not serve)."""
-    return "bfloat16" if (kind or choice()) == "bf16" else None
+    return "bfloat16" if (kind or choice()) in ("bf16", "int8") else None
 
 
 def _computes_f32(model: nn.Module) -> bool:
@@ -530,7 +754,7 @@ def products(model: nn.Module) -> str:
     served = next((m for _, m in model.named_modules() if isinstance(m, KernelLinear)), None)
     if served is None:
         return "mlx"
-    kind = "bf16" if served.weight.dtype == mx.bfloat16 else "f32"
+    kind = {mx.bfloat16: "bf16", mx.int8: "int8"}.get(served.weight.dtype, "f32")
     return f"onednn-{kind} x{served.threads or default_threads()}"
 
 
@@ -549,18 +773,32 @@ def batch_invariant(model: nn.Module) -> bool:
     )
 
 
-def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
+def serve(
+    model: nn.Module,
+    kind: str | None = None,
+    threads: int = 0,
+    calibration: Sequence[int] | None = None,
+) -> str:
     """Swap the linear products of an MLX transformer (`models.transformer.Model`) for the CPU
     kernel where it serves this machine; returns the kind in use (`mlx`: nothing changed).
 
     Only float32 layers (or bfloat16 ones rounded by the loader, `weight_dtype`) are swapped:
-    quantized ones keep MLX's quantized products. threads:
-    OpenMP threads per product (0: `default_threads()`)."""
+    quantized ones keep MLX's quantized products. threads: OpenMP threads per product (0:
+    `default_threads()`). calibration: int8 only, the tokens whose activations set each
+    layer's smoothing (`calibration_tokens`; None: ids spread over the vocabulary)."""
     kind = kind or choice()
     if kind == "mlx":
         return kind
     if _open() is None:
         raise RuntimeError(_unavailable or "oneDNN is unavailable")
+    _swap(model, "bf16" if kind == "int8" else kind, threads)
+    if kind == "int8" and serves(model):
+        _to_int8(model, calibration)
+    return kind
+
+
+def _swap(model: nn.Module, kind: str, threads: int) -> None:
+    """`serve`'s swap of every product for a `KernelLinear` of `kind` (bf16 or f32)."""
     # float32 weights, or bfloat16 ones the loader rounded for this kernel (`weight_dtype`) in a
     # model that computes in float32 (not a bfloat16 checkpoint's)
     ours = (mx.float32, mx.bfloat16) if kind == "bf16" and _computes_f32(model) else (mx.float32,)
@@ -606,7 +844,40 @@ def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
         if hasattr(m, "attend"):
             m.attend = attention
     _release()
-    return kind
+
+
+def calibration_tokens(tokenizer: Any) -> list[int]:
+    """The tokens whose activations set an int8 model's smoothing: `CALIBRATION_TEXT` in the
+    model's own tokens, so that every load of a model makes the same int8 weights."""
+    return list(tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))
+
+
+def _to_int8(model: nn.Module, calibration: Sequence[int] | None) -> None:
+    """Turn a bf16-served model's layers into int8 products, each smoothed by the largest
+    input it met on the calibration tokens. The head and the embedding stay bf16: the head's
+    products are the logits themselves, a truncated head reads a prefix of its rows (not one
+    of a packed matrix), and the embedding is looked up row by row."""
+    head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head  # type: ignore[union-attr]
+    layers = {  # by identity: a joint product is reached through each of its parts
+        id(m): m
+        for _, m in model.named_modules()
+        if isinstance(m, KernelLinear)
+        and not isinstance(m, KernelEmbedding)
+        and m is not head
+        and m._dtype == _BF16
+    }.values()
+    if calibration is None:  # no tokenizer: ids spread evenly over the vocabulary
+        vocab = model.config.vocab_size  # type: ignore[union-attr]
+        calibration = list(range(0, vocab, max(1, vocab // CALIBRATION_IDS)))
+    seen: dict[int, mx.array] = {}
+    KernelLinear._record = seen
+    try:
+        model(mx.array(list(calibration)[:CALIBRATION_MAX])[None])
+    finally:
+        KernelLinear._record = None
+    for m in layers:
+        m.to_int8(seen.get(id(m)))
+        _release()
 
 
 def _release() -> None:
