@@ -41,6 +41,7 @@ from ondevice.runtime.engines import (
     make_draft_engine,
 )
 from ondevice.runtime.memory import apply_metal_limits, param_bytes
+from ondevice.runtime.pass_costs import remeasure_stale
 from ondevice.runtime.placement import BESIDE_VERIFIER, Placement, place_draft
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
 from ondevice.runtime.worker import Worker
@@ -111,6 +112,9 @@ class Generator:
         self.tokenizer: Tokenizer = pair.verifier.tokenizer
         self.model_name = str(pair.extra.get("name") or pair.verifier.path.name)
         self.verifier = MLXEngine(pair.verifier.model)
+        # a profile live passes marked stale is measured here, where a wait is expected, never
+        # in a generation (runtime/pass_costs.py); the draft's once it is chosen, below
+        remeasure_stale(self.verifier)
         self.context_length = self.verifier.context_length
         self.draft = None
         # where `auto` put the draft when it could choose (Core ML and MLX both run: a Mac)
@@ -136,6 +140,8 @@ class Generator:
                     pair.draft = None  # the losing MLX draft's memory goes back (8 GB Macs)
                     mx.clear_cache()
         self.draft_backend = self.draft.name if self.draft is not None else None
+        if self.draft is not None:
+            remeasure_stale(self.draft)
         draft_mlx = self.draft.model if isinstance(self.draft, MLXEngine) else None
         apply_metal_limits(
             param_bytes(self.verifier.model) + (param_bytes(draft_mlx) if draft_mlx else 0)

@@ -22,6 +22,7 @@ from ondevice.rules.chooser import CustomRule
 from ondevice.rules.engine import Engine
 from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.engines import MLXEngine
+from ondevice.runtime.pass_costs import CostWatch
 
 
 def make_decoder(
@@ -61,7 +62,10 @@ def make_decoder(
             plain.skip_reason = "num_draft_tokens=0" if draft else "no draft model is loaded"
             return plain
         chain = PipelinedDecoder if spec.pipeline else ChainDecoder
-        return chain(verifier, draft, params, num_draft_tokens=k, rule=rule, **opts)
+        watch = CostWatch.of(verifier) if spec.profile else None  # sizes nothing: never measured
+        return chain(
+            verifier, draft, params, num_draft_tokens=k, rule=rule, cost_watch=watch, **opts
+        )
     res = Resources.build(verifier, draft, params, seed=seed, profile=spec.profile, heads=heads)
     proposer = m.build_proposer(res, spec)
     return TreeDecoder(
