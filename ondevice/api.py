@@ -21,7 +21,7 @@ from ondevice.models import LoadedModel, load_model
 from ondevice.models.tokenizer import RESERVED_TEMPLATE_ARGS, Tokenizer, check_pair
 from ondevice.proposers import registry
 from ondevice.proposers.registry import METHODS as METHODS
-from ondevice.proposers.resources import Speculation
+from ondevice.proposers.resources import Calibrations, Speculation
 from ondevice.results import Chunk, GenerationResult
 from ondevice.rules.sampling import (
     SAMPLING_FIELDS,
@@ -159,6 +159,8 @@ class Generator:
         # callers on several threads may ask for it at once: exactly one may start it
         self._worker_lock = threading.Lock()
         self.prompt_cache = PrefixCache(prompt_cache_bytes)
+        # what proposers learn about this pair across its generations (new with a new draft)
+        self.calibrations = Calibrations()
         self._ll_tokenizer: Any = None  # llguidance's view of the vocabulary, for grammars
         self._fingerprints: dict[str, str] | None = None
         self._marks: tuple[str | None, str, tuple[str, ...]] | None = None  # _template_marks
@@ -416,7 +418,7 @@ class Generator:
         draft = self.draft if speculative else None
         dec = make_decoder(
             self.verifier, draft, params, spec, eos_token_ids=self.tokenizer.eos_token_ids,
-            seed=seed, heads=self._pair.heads,
+            seed=seed, heads=self._pair.heads, calibrations=self.calibrations,
         )  # fmt: skip
         if not speculative:
             dec.skip_reason = "speculative=False"
@@ -506,6 +508,7 @@ class Generator:
         self.draft_backend = self.draft.name
         self.placement = None
         self._fingerprints = None
+        self.calibrations = Calibrations()
 
     def _reset_engines(self) -> None:
         self.verifier.reset()
