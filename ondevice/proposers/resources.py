@@ -62,7 +62,7 @@ class Calibrations:
     """Per depth, how far the verifier follows a proposer's predicted acceptance: the summed
     predicted acceptance of verified nodes and the rounds that accepted that deep, one pair of
     arrays per name ("draft": every tree grown from the draft model, `DraftState.calibration`;
-    "medusa": the heads), updated in place by the proposers.
+    ("medusa", folder): those heads), updated in place by the proposers.
 
     A `Generator` keeps one for its pair (a new one when its draft changes), so a generation
     starts from what earlier generations of the pair learned instead of the prior, by sampling
