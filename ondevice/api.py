@@ -21,7 +21,7 @@ from ondevice.models import LoadedModel, load_model
 from ondevice.models.tokenizer import RESERVED_TEMPLATE_ARGS, Tokenizer, check_pair
 from ondevice.proposers import registry
 from ondevice.proposers.registry import METHODS as METHODS
-from ondevice.proposers.resources import Speculation
+from ondevice.proposers.resources import Calibrations, Speculation
 from ondevice.results import Chunk, GenerationResult
 from ondevice.rules.sampling import (
     SAMPLING_FIELDS,
@@ -41,6 +41,7 @@ from ondevice.runtime.engines import (
     make_draft_engine,
 )
 from ondevice.runtime.memory import apply_metal_limits, param_bytes
+from ondevice.runtime.pass_costs import remeasure_stale
 from ondevice.runtime.placement import BESIDE_VERIFIER, Placement, place_draft
 from ondevice.runtime.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, Restored
 from ondevice.runtime.worker import Worker
@@ -111,6 +112,9 @@ class Generator:
         self.tokenizer: Tokenizer = pair.verifier.tokenizer
         self.model_name = str(pair.extra.get("name") or pair.verifier.path.name)
         self.verifier = MLXEngine(pair.verifier.model)
+        # a profile live passes marked stale is measured here, where a wait is expected, never
+        # in a generation (runtime/pass_costs.py); the draft's once it is chosen, below
+        remeasure_stale(self.verifier)
         self.context_length = self.verifier.context_length
         self.draft = None
         # where `auto` put the draft when it could choose (Core ML and MLX both run: a Mac)
@@ -136,6 +140,8 @@ class Generator:
                     pair.draft = None  # the losing MLX draft's memory goes back (8 GB Macs)
                     mx.clear_cache()
         self.draft_backend = self.draft.name if self.draft is not None else None
+        if self.draft is not None:
+            remeasure_stale(self.draft)
         draft_mlx = self.draft.model if isinstance(self.draft, MLXEngine) else None
         apply_metal_limits(
             param_bytes(self.verifier.model) + (param_bytes(draft_mlx) if draft_mlx else 0)
@@ -153,6 +159,8 @@ class Generator:
         # callers on several threads may ask for it at once: exactly one may start it
         self._worker_lock = threading.Lock()
         self.prompt_cache = PrefixCache(prompt_cache_bytes)
+        # what proposers learn about this pair across its generations (new with a new draft)
+        self.calibrations = Calibrations()
         self._ll_tokenizer: Any = None  # llguidance's view of the vocabulary, for grammars
         self._fingerprints: dict[str, str] | None = None
         self._marks: tuple[str | None, str, tuple[str, ...]] | None = None  # _template_marks
@@ -410,7 +418,7 @@ class Generator:
         draft = self.draft if speculative else None
         dec = make_decoder(
             self.verifier, draft, params, spec, eos_token_ids=self.tokenizer.eos_token_ids,
-            seed=seed, heads=self._pair.heads,
+            seed=seed, heads=self._pair.heads, calibrations=self.calibrations,
         )  # fmt: skip
         if not speculative:
             dec.skip_reason = "speculative=False"
@@ -500,6 +508,7 @@ class Generator:
         self.draft_backend = self.draft.name
         self.placement = None
         self._fingerprints = None
+        self.calibrations = Calibrations()
 
     def _reset_engines(self) -> None:
         self.verifier.reset()

@@ -6,6 +6,7 @@ for several generations get it measured again, and `ondevice doctor` lists what 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import tiny
@@ -38,9 +39,9 @@ def home(tmp_path, monkeypatch):
 
 
 def _generation(watch: CostWatch, ratio: float) -> None:
-    """One generation's timed passes, each `ratio` times what the profile says."""
+    """One generation's timed passes, each `ratio` times what the profile measured."""
     for n in [1, 2] * ((DRIFT_WARMUP + DRIFT_PASSES) // 2 + 1):
-        watch.observe(n, float(watch.profile(n)) * ratio)
+        watch.observe(n, float(watch.profile.measured_cost(n)) * ratio)
 
 
 @pytest.mark.skipif(not kernel.available(), reason="no CPU kernel here")
@@ -74,10 +75,11 @@ def test_a_file_measured_for_another_device_or_engine_is_measured_again(home):
     assert eng.fed > fed
 
 
-def test_live_passes_that_disagree_for_generations_get_the_profile_measured_again(home):
+def test_live_passes_that_disagree_for_generations_get_the_profile_measured_again(home, capsys):
     eng = TableEngine.cycle()
     prof = load_profile(eng, sizes=(1, 2, 4))
     assert prof.measured > 0 and prof.path is not None
+    assert "measuring pass costs on this machine, once" in capsys.readouterr().err
     fed = eng.fed
 
     def on_disk() -> CostProfile:
@@ -91,8 +93,24 @@ def test_live_passes_that_disagree_for_generations_get_the_profile_measured_agai
     _generation(CostWatch(load_profile(eng, sizes=(1, 2, 4))), 3.0)
     assert on_disk().stale and on_disk().live_ratio == pytest.approx(3.0)
     assert "stale" in on_disk().describe()
-    again = load_profile(eng, sizes=(1, 2, 4))  # the next generation measures it again
-    assert eng.fed > fed and not again.stale and again.strikes == 0
+    # a generation never measures: it sizes with the measured costs scaled by the live ratio,
+    # and says so once on stderr
+    capsys.readouterr()
+    for _ in range(2):
+        stale = load_profile(eng, sizes=(1, 2, 4))
+        assert eng.fed == fed and stale.seconds == prof.seconds
+        assert stale(2) == pytest.approx(3.0 * prof(2)) and stale.measured_cost(2) == prof(2)
+    assert capsys.readouterr().err.count("are stale: live passes took 3.00x them") == 1
+    # its passes are judged against the measured costs: still 3x, still stale
+    _generation(CostWatch(stale), 3.0)
+    assert on_disk().stale and on_disk().live_ratio == pytest.approx(3.0)
+    assert pass_costs.remeasure_stale(TableEngine.cycle(vocab=eng.vocab_size + 1)) is None
+    again = pass_costs.remeasure_stale(eng)  # at the next load, announced
+    assert "measuring the pass costs in" in capsys.readouterr().err
+    assert eng.fed > fed and not again.stale and again.strikes == 0 and again.sizes == [1, 2, 4]
+    assert again(2) == again.measured_cost(2) and on_disk().seconds == again.seconds
+    fed = eng.fed
+    assert pass_costs.remeasure_stale(eng).seconds == again.seconds and eng.fed == fed
     # one strike, then a generation that agrees: cleared
     _generation(CostWatch(again), 0.2)
     assert on_disk().strikes == 1
@@ -103,6 +121,27 @@ def test_live_passes_that_disagree_for_generations_get_the_profile_measured_agai
     for _ in range(DRIFT_WARMUP + DRIFT_PASSES - 1):
         short.observe(1, 100.0)
     assert not short.judged and on_disk().strikes == 0
+
+
+def test_a_stale_profile_is_measured_at_load_never_in_a_generation(home, tmp_path, capsys):
+    """Issue 26 item 4: a stale profile was measured by the next generation's `make_decoder`,
+    a silent stall of that request; now the generation sizes with it scaled and says so, and
+    `ondevice.load` measures it again, announced."""
+    import ondevice
+
+    path = tiny.write_model(tmp_path / "v", seed=1)
+    gen = ondevice.load(path)
+    prof = load_profile(gen.verifier, sizes=(1, 2))
+    stale = {**prof.to_json(), "stale": True, "strikes": 2, "live_ratio": 3.0}
+    pass_costs.save_profile(prof.path, stale)
+    capsys.readouterr()
+    out = gen.generate([5, 6, 7, 5, 6, 7, 5, 6], max_tokens=8, method="pld")
+    assert out.tokens and json.loads(prof.path.read_text())["measured"] == prof.measured
+    assert "are stale: live passes took 3.00x them" in capsys.readouterr().err
+    ondevice.load(path)
+    again = json.loads(prof.path.read_text())
+    assert again["measured"] > prof.measured and not again["stale"] and again["sizes"] == [1, 2]
+    assert "measuring the pass costs in" in capsys.readouterr().err
 
 
 def test_a_profile_written_by_hand_is_never_judged(home):
@@ -120,6 +159,32 @@ def test_generations_time_their_passes_for_the_watch(home, tmp_path):
     dec = make_decoder(MLXEngine(model), None, SamplingParams(), Speculation(method="pld"))
     list(dec.run([5, 6, 7, 5, 6, 7, 5, 6], 12))
     assert dec.cost_watch is not None and dec.cost_watch.seen == dec.stats.rounds > 0
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["chain", "pipelined"])
+def test_chain_generations_tell_the_watch_too(home, tmp_path, pipeline):
+    """Issue 26 item 4: only tree decoders told the watch their passes, so generations by
+    `chain` (the API's default method), pipelined or not, never noticed a stale profile."""
+    model = load_model(tiny.write_endless_model(tmp_path / "v", seed=1)).model
+    verifier, draft = MLXEngine(model), MLXEngine(model)
+    key = engine_key(verifier)
+    path = profile_path(device_name(), key)
+    fast = CostProfile([1, 2, 4], [1e-7, 1.1e-7, 1.2e-7], device_name(), key, 8, time.time())
+    pass_costs.save_profile(path, fast.to_json())  # "measured" far faster than passes run
+    spec = Speculation(method="chain", num_draft_tokens=1, pipeline=pipeline)
+    for generation in (1, 2):
+        dec = make_decoder(verifier, draft, SamplingParams(), spec)
+        list(dec.run([5, 6, 7, 5, 6, 7, 5, 6], 40))
+        watch = dec.cost_watch
+        assert watch is not None and watch.seen == dec.stats.rounds
+        on_disk = json.loads(path.read_text())
+        assert watch.judged and on_disk["strikes"] == generation
+        assert on_disk["live_ratio"] > pass_costs.DRIFT_FACTOR
+    assert on_disk["stale"]
+    # nothing cached: nothing watched, and a chain, which sizes nothing by it, measures nothing
+    path.unlink()
+    assert make_decoder(verifier, draft, SamplingParams(), spec).cost_watch is None
+    assert not path.exists()
 
 
 def test_doctor_lists_the_profiles_with_what_they_were_measured_for(home):

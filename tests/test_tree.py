@@ -20,7 +20,7 @@ from ondevice.decoders.factory import make_decoder
 from ondevice.models import load_model
 from ondevice.proposers.draft_tree import DraftState
 from ondevice.proposers.registry import METHODS
-from ondevice.proposers.resources import Speculation
+from ondevice.proposers.resources import CALIBRATION_MEMORY, Calibrations, Speculation
 from ondevice.rules import accept
 from ondevice.rules.sampling import SamplingParams
 from ondevice.rules.token_tree import TokenTree, check_shape
@@ -391,6 +391,74 @@ def test_max_tokens_and_context_limits(models, home):
         dec = make_decoder(short, MLXEngine(dra), SamplingParams(), Speculation(method=method))
         rounds = list(dec.run(prompt, 50))
         assert sum(len(r.tokens) for r in rounds) == 5 and rounds[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("method", ["tree", "medusa"])
+def test_a_pairs_calibration_carries_over_its_generations(models, home, method):
+    """Issue 26 item 4: each generation's per-depth calibration started from the prior, so short
+    chats never learnt how far the verifier follows the draft (or the heads). Generations of a
+    pair now start from what the earlier ones learnt, where that cannot change their tokens."""
+    ver, dra = models
+    verifier = MLXEngine(ver)
+    verifier.batch_invariant = True  # as the CPU kernel serves it: trees cannot move greedy ties
+    store = Calibrations()
+    prompts = _prompts(ver)
+
+    def start(params: SamplingParams, seed: int | None = None, engine=verifier):
+        spec = Speculation(method=method)
+        dec = make_decoder(engine, MLXEngine(dra), params, spec, seed=seed, calibrations=store)
+        return dec, dec.proposer.predicted.copy(), dec.proposer.realised.copy()
+
+    def learnt(dec) -> tuple[np.ndarray, np.ndarray]:
+        for prompt in prompts[-2:]:  # the repetitive ones: long accepted paths
+            list(dec.run(prompt, 24))
+        return dec.proposer.predicted.copy(), dec.proposer.realised.copy()
+
+    greedy, prior, _ = start(SamplingParams())
+    assert np.all(prior == 1.0)
+    predicted, realised = learnt(greedy)
+    assert not np.array_equal(predicted, prior)
+    later, p, r = start(SamplingParams())  # the next generation starts where that one ended
+    assert np.array_equal(p, predicted) and np.array_equal(r, realised)
+    assert not np.array_equal(learnt(later)[0], predicted)  # and goes on learning
+    # what cannot carry over starts from the prior: a seeded sample (the same seed gives the
+    # same tokens every time) and greedy decoding whose near ties may fall by the pass's size;
+    # an unseeded sample carries over, apart from greedy decoding's
+    assert np.all(start(SamplingParams(temperature=1.0), seed=3)[1] == 1.0)
+    assert np.all(start(SamplingParams(), engine=MLXEngine(ver))[1] == 1.0)
+    sampled, prior, _ = start(SamplingParams(temperature=1.0))
+    assert np.all(prior == 1.0)
+    predicted, _ = learnt(sampled)
+    assert np.array_equal(start(SamplingParams(temperature=1.0))[1], predicted)
+
+
+def test_a_calibration_keeps_a_bounded_memory():
+    store = Calibrations()
+    predicted, realised = store.get("draft", 4)
+    predicted += [0.0, 4 * CALIBRATION_MEMORY, 10.0, 0.0]
+    realised += [0.0, CALIBRATION_MEMORY, 5.0, 0.0]
+    ratio = realised / predicted
+    again = store.get("draft", 6)  # a deeper proposer: the new depths start from the prior
+    assert len(again[0]) == 6 and np.all(again[0][4:] == 1.0) and np.all(again[1][4:] == 1.0)
+    assert np.allclose(again[1][:4] / again[0][:4], ratio)
+    assert again[0][1] == CALIBRATION_MEMORY and again[0][2] == 11.0  # only the old depth shrank
+
+
+def test_a_generator_keeps_its_pairs_calibration_until_the_draft_changes(tmp_path, home):
+    import ondevice
+
+    v = tiny.write_model(tmp_path / "v", seed=0, layers=2)
+    gen = ondevice.load(v, draft=tiny.perturbed_copy(v, tmp_path / "d", noise=0.05))
+    sampled = SamplingParams(temperature=1.0)
+    for _ in range(2):
+        gen.generate([5, 6, 7, 8] * 3, max_tokens=16, method="tree", temperature=1.0)
+    store = gen.calibrations
+    learnt = store.for_generation(gen.verifier, sampled, None).get("draft", 18)
+    assert not np.all(learnt[0] == 1.0)
+    gen.draft.name = "coreml"  # as if Core ML failed mid-use: the draft moves to MLX
+    gen._leave_core_ml("a test")
+    fresh = gen.calibrations.for_generation(gen.verifier, sampled, None).get("draft", 18)
+    assert gen.calibrations is not store and np.all(fresh[0] == 1.0)
 
 
 def test_bad_method_and_missing_draft_are_clear(models):

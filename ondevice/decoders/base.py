@@ -24,6 +24,7 @@ from typing import Protocol
 from ondevice.errors import ContextLengthError
 from ondevice.rules.engine import Engine, prefill
 from ondevice.rules.sampling import TokenLogprob
+from ondevice.runtime.pass_costs import CostWatch
 
 
 @dataclass
@@ -77,10 +78,19 @@ class Step:
 class DecoderBase:
     """The shared skeleton: the prompt check, prefill, the round loop with its cut at EOS and
     the token limit, and the stats. A subclass implements `step` (one verifier pass) and, when it
-    has more engines to fill, `prefill_rest`; `round_logprobs` when it reports log-probs."""
+    has more engines to fill, `prefill_rest`; `round_logprobs` when it reports log-probs.
 
-    def __init__(self, verifier: Engine, eos_token_ids: Sequence[int] = ()) -> None:
+    cost_watch: told how long each verifier pass took (`timed_pass`; `runtime/pass_costs.py`'s
+    `CostWatch` marks a profile the live passes disagree with stale)."""
+
+    def __init__(
+        self,
+        verifier: Engine,
+        eos_token_ids: Sequence[int] = (),
+        cost_watch: CostWatch | None = None,
+    ) -> None:
         self.verifier = verifier
+        self.cost_watch = cost_watch
         self.eos = frozenset(eos_token_ids)
         self.stats = DecodeStats()
         self.time_prefill = 0.0
@@ -150,6 +160,14 @@ class DecoderBase:
     def step(self, seq: list[int], room: int) -> Step:
         """One verifier pass after `seq`, emitting at most `room` tokens."""
         raise NotImplementedError
+
+    def timed_pass(self, n: int, seconds: float, contention: float = 1.0) -> None:
+        """A verifier pass over n tokens took `seconds`, `contention` times what it would have
+        taken with the machine to itself (a draft working beside it): counted as verifying,
+        and told to the cost watch as the pass alone."""
+        self.time_verify += seconds
+        if self.cost_watch is not None:
+            self.cost_watch.observe(n, seconds / contention)
 
     def round_logprobs(self, tokens: list[int]) -> list[TokenLogprob] | None:
         return None

@@ -28,6 +28,7 @@ from ondevice.decoders.base import DecoderBase, DecodeStats, Round, Step
 from ondevice.rules.chooser import CustomRule, TokenChooser
 from ondevice.rules.engine import Engine, batch_invariant, prefill
 from ondevice.rules.sampling import SamplingParams, TokenLogprob
+from ondevice.runtime.pass_costs import CostWatch
 
 __all__ = [
     "CustomRule",
@@ -120,7 +121,7 @@ class ChainDecoderBase(DecoderBase):
 
     rule: "leviathan" (default: Leviathan/Chen speculative sampling with position-keyed noise),
     "coupled" (Gumbel coupling: the same tokens as plain sampling with the same seed), or a
-    custom callable `rule(drafts, q, p, at)` (see `CustomRule`).
+    custom callable `rule(drafts, q, p, at)` (see `CustomRule`). cost_watch: see `DecoderBase`.
     """
 
     def __init__(
@@ -134,10 +135,11 @@ class ChainDecoderBase(DecoderBase):
         num_draft_tokens: int | None = None,
         rule: str | CustomRule | None = None,
         k_max: int = 12,
+        cost_watch: CostWatch | None = None,
     ) -> None:
         if num_draft_tokens is not None and num_draft_tokens < 0:
             raise ValueError("num_draft_tokens must be >= 0")
-        super().__init__(verifier, eos_token_ids)
+        super().__init__(verifier, eos_token_ids, cost_watch)
         self.draft = draft
         self.params = params
         self.chooser = TokenChooser(params, verifier.vocab_size, seed, rule)
@@ -205,7 +207,7 @@ class ChainDecoder(ChainDecoderBase):
         n, tok = self.chooser.decide(drafts, q, logits, len(seq), seq)
         self._logits = logits
         self.verifier.trim(len(drafts) - n)
-        self.time_verify += time.perf_counter() - t
+        self.timed_pass(len(drafts) + 1, time.perf_counter() - t)
         return n, tok
 
     def step(self, seq: list[int], room: int) -> Step:

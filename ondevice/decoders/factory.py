@@ -17,11 +17,12 @@ from ondevice.decoders.plain import PlainGreedyDecoder
 from ondevice.decoders.tree import Rule, TreeDecoder
 from ondevice.errors import OndeviceError
 from ondevice.proposers.registry import method
-from ondevice.proposers.resources import Resources, Speculation
+from ondevice.proposers.resources import Calibrations, Resources, Speculation
 from ondevice.rules.chooser import CustomRule
 from ondevice.rules.engine import Engine
 from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.engines import MLXEngine
+from ondevice.runtime.pass_costs import CostWatch
 
 
 def make_decoder(
@@ -34,6 +35,7 @@ def make_decoder(
     eos_token_ids: Sequence[int] = (),
     rule: str | CustomRule | Rule | None = None,
     heads: Path | None = None,
+    calibrations: Calibrations | None = None,
 ) -> Decoder:
     """The decoder for `spec.method` (default: a chain with the defaults of `Speculation`).
 
@@ -42,7 +44,8 @@ def make_decoder(
     params: the sampling parameters; seed: the position-keyed noise's seed (None: random).
     rule: the acceptance rule (chain: a name in `accept.RULES` or a chain rule; the others: a
     tree rule), for tests that show a wrong one is caught. heads: a Medusa heads folder for
-    method "medusa" (None: found in the cache).
+    method "medusa" (None: found in the cache). calibrations: what the proposers learnt in
+    earlier generations of the same pair (`Calibrations`; None: start from the prior).
     """
     spec = spec or Speculation()
     m = method(spec.method)
@@ -61,8 +64,14 @@ def make_decoder(
             plain.skip_reason = "num_draft_tokens=0" if draft else "no draft model is loaded"
             return plain
         chain = PipelinedDecoder if spec.pipeline else ChainDecoder
-        return chain(verifier, draft, params, num_draft_tokens=k, rule=rule, **opts)
-    res = Resources.build(verifier, draft, params, seed=seed, profile=spec.profile, heads=heads)
+        watch = CostWatch.of(verifier) if spec.profile else None  # sizes nothing: never measured
+        return chain(
+            verifier, draft, params, num_draft_tokens=k, rule=rule, cost_watch=watch, **opts
+        )
+    res = Resources.build(
+        verifier, draft, params, seed=seed, profile=spec.profile, heads=heads,
+        calibrations=calibrations,
+    )  # fmt: skip
     proposer = m.build_proposer(res, spec)
     return TreeDecoder(
         res.verifier, proposer, params, rule=rule, draft_state=res.draft, chooser=res.chooser,

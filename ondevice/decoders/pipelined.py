@@ -405,7 +405,7 @@ class PipelinedDecoder(ChainDecoderBase):
         self.cost.observe_contention(pending.length, seconds, busy=steps > 0)
         self.in_flight = None
         self._verify_busy.append((pending.t_submit, pending.t_done))
-        self.time_verify += seconds
+        self.timed_pass(pending.length, seconds, self.cost.contention if steps else 1.0)
         self.cost.observe_verify(pending.length, seconds)
         self.calls["verify"].append((pending.length, seconds))
         return logits

@@ -51,15 +51,13 @@ class TreeDecoder(DecoderBase):
         seed: the position-keyed noise's seed. rule: the tree acceptance rule (tests swap it).
         draft_state: the proposers' draft, if they have one (its cache follows the prompt
         cache). chooser: the generation's token chooser, shared with the proposer (default:
-        a new one from params and seed). cost_watch: told how long each verifier pass took
-        (`runtime/pass_costs.CostWatch`: a profile the live passes disagree with is re-measured
-        at a later load)."""
+        a new one from params and seed). cost_watch: see `DecoderBase`."""
         verifier = tree_engine(verifier)
         if not hasattr(verifier, "feed_masked"):
             raise OndeviceError(
                 f"the {verifier.name!r} verifier cannot score token trees; use method='chain'."
             )
-        super().__init__(verifier, eos_token_ids)
+        super().__init__(verifier, eos_token_ids, cost_watch)
         self.proposer = proposer
         self.hidden = wants_hidden(proposer)
         if self.hidden and not getattr(verifier, "returns_hidden", False):
@@ -72,7 +70,6 @@ class TreeDecoder(DecoderBase):
         self.chooser = chooser or TokenChooser(params, verifier.vocab_size, seed)
         # the sampling rule; replaceable so tests can show that a wrong rule is caught
         self.rule = rule or accept.multi_draft
-        self.cost_watch = cost_watch
         self._per_method = self.stats.extra.setdefault("rounds_by_method", {})
 
     def extra_stats(self) -> dict:
@@ -125,9 +122,7 @@ class TreeDecoder(DecoderBase):
         if proposed:
             self.proposer.observe(seq, tree, verdict)
         self.time_draft += (t2 - t) + (time.perf_counter() - t3)
-        self.time_verify += t3 - t2
-        if self.cost_watch is not None:
-            self.cost_watch.observe(len(tree), t3 - t2)
+        self.timed_pass(len(tree), t3 - t2)
         name = getattr(self.proposer, "last_name", self.proposer.name)
         self._per_method[name] = self._per_method.get(name, 0) + 1
         if proposed and tree.size == 0:

@@ -17,6 +17,7 @@ from ondevice.proposers.base import (
     cost_rate,
     fixed_budget,
 )
+from ondevice.proposers.resources import Calibrations
 from ondevice.rules.chooser import TokenChooser, as_chooser
 from ondevice.rules.engine import Engine
 from ondevice.rules.noise import PositionNoise
@@ -44,7 +45,13 @@ class DraftState:
     committed sequence and feeds the rest.
     """
 
-    def __init__(self, engine: Engine, vocab: int, pass_cost: Callable[[int], float] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        vocab: int,
+        pass_cost: Callable[[int], float] | None = None,
+        calibrations: Calibrations | None = None,
+    ):
         self.engine = engine
         self.vocab = vocab
         self.tokens: list[int] | None = None  # None: the cache's content is unknown
@@ -57,17 +64,19 @@ class DraftState:
         self.pass_cost = pass_cost
         self.work = 0.0
         self.switch_work = 0.0
+        self.calibrations = calibrations  # the pair's, from earlier generations (None: none)
         self._calibration: tuple[np.ndarray, np.ndarray] | None = None
 
     def calibration(self, size: int) -> tuple[np.ndarray, np.ndarray]:
         """Per depth, the summed predicted acceptance of verified nodes and the rounds that
-        accepted that deep (prior: one round of perfect calibration). One pair of arrays for
-        every proposer growing trees from this draft, updated in place: they all measure how
-        far the verifier follows this draft, so auto's candidates learn from each other's
-        rounds instead of each paying for its own optimistic first guesses. Depths beyond the
-        arrays' length share the last entry."""
+        accepted that deep (`Calibrations`: what earlier generations of the pair learned, or
+        the prior). One pair of arrays for every proposer growing trees from this draft,
+        updated in place: they all measure how far the verifier follows this draft, so auto's
+        candidates learn from each other's rounds instead of each paying for its own
+        optimistic first guesses. Depths beyond the arrays' length share the last entry."""
         if self._calibration is None:
-            self._calibration = (np.ones(max(size, 18)), np.ones(max(size, 18)))
+            store = self.calibrations or Calibrations()
+            self._calibration = store.get("draft", max(size, 18))
         return self._calibration
 
     def reset(self, prompt: Sequence[int]) -> None:

@@ -42,6 +42,7 @@ from ondevice.errors import OndeviceError
 from ondevice.models.transformer import Model, _head_rows, norm_weights
 from ondevice.proposers.base import BudgetFn, Unavailable, Verification, cost_budget
 from ondevice.proposers.draft_tree import top_tokens
+from ondevice.proposers.resources import Calibrations
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.engines import innermost
@@ -204,6 +205,7 @@ class MedusaProposer:
         depth: int | None = None,
         width: int = WIDTH,
         budget: BudgetFn | None = None,
+        calibration: tuple[np.ndarray, np.ndarray] | None = None,
     ):
         self.model, self.heads, self.info = model, heads, info
         self.depth = min(depth or info.num_heads, info.num_heads)
@@ -211,9 +213,8 @@ class MedusaProposer:
         self.budget = budget or cost_budget(None)
         self.state: np.ndarray | None = None  # (d,) the verifier's state at the last accepted node
         # per depth: summed predicted acceptance of verified nodes, and rounds accepting that deep
-        # (prior: one round of perfect calibration); the heads' confidence is not their accuracy
-        self.predicted = np.ones(self.depth + 2)
-        self.realised = np.ones(self.depth + 2)
+        # (`Calibrations`: the pair's, or the prior); the heads' confidence is not their accuracy
+        self.predicted, self.realised = calibration or Calibrations().get("medusa", self.depth + 2)
         self._pred: np.ndarray | None = None
 
     def reset(self, prompt: Sequence[int]) -> None:
@@ -316,6 +317,9 @@ def build(res: Resources, spec: Speculation) -> MedusaProposer:
                 f"(--heads HEADS), or put the folder at {folder}."
             )
     heads, info = _heads_for(Path(folder), model)
+    # learnt across the pair's generations, per heads folder (every depth the heads reach)
+    calibration = res.calibrations.get(("medusa", str(Path(folder).resolve())), info.num_heads + 2)
     return MedusaProposer(
-        model, heads, info, depth=spec.num_draft_tokens, budget=cost_budget(res.verify_cost)
-    )
+        model, heads, info, depth=spec.num_draft_tokens, budget=cost_budget(res.verify_cost),
+        calibration=calibration,
+    )  # fmt: skip

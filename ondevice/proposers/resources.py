@@ -1,4 +1,5 @@
-"""What a decoder and its proposer are built from, as two objects built once per generation:
+"""What a decoder and its proposer are built from, as two objects built once per generation,
+and what proposers learn across generations of one loaded pair (`Calibrations`):
 
 - `Speculation`: how to speculate (the method, what `num_draft_tokens` fixes, pipelining, cost
   profiles, the tree mode); the registry (`proposers/registry.py`) says what each field means
@@ -10,12 +11,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ondevice.rules.chooser import TokenChooser
-from ondevice.rules.engine import Engine
+from ondevice.rules.engine import Engine, batch_invariant
 from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.engines import tree_engine
 from ondevice.runtime.pass_costs import CostProfile, CostWatch, load_profile
@@ -24,6 +28,9 @@ if TYPE_CHECKING:
     from ondevice.proposers.draft_tree import DraftState
 
 TREE_MODES = ("dynamic", "sampled")
+# rounds of evidence per depth a calibration keeps: older rounds weigh less as newer ones come,
+# so a session whose text changes (code, then prose) follows it
+CALIBRATION_MEMORY = 256
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +58,54 @@ class Speculation:
             raise ValueError(f"tree_mode must be one of {', '.join(TREE_MODES)}")
 
 
+class Calibrations:
+    """Per depth, how far the verifier follows a proposer's predicted acceptance: the summed
+    predicted acceptance of verified nodes and the rounds that accepted that deep, one pair of
+    arrays per name ("draft": every tree grown from the draft model, `DraftState.calibration`;
+    ("medusa", folder): those heads), updated in place by the proposers.
+
+    A `Generator` keeps one for its pair (a new one when its draft changes), so a generation
+    starts from what earlier generations of the pair learned instead of the prior, by sampling
+    settings (a temperature changes how far the verifier follows), and only where that cannot
+    change its tokens (`for_generation`). Each generation's start keeps at most
+    `CALIBRATION_MEMORY` rounds' evidence per depth, the ratio unchanged."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[Hashable, tuple[np.ndarray, np.ndarray]] = {}
+        self._by_sampling: dict[tuple, Calibrations] = {}
+
+    def get(self, name: Hashable, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(predicted, realised) for `name`, at least `size` depths long (new depths: the prior,
+        one round of perfect calibration)."""
+        predicted, realised = self._arrays.get(name, (np.ones(0), np.ones(0)))
+        if len(predicted) < size:
+            grow = np.ones(size - len(predicted))
+            predicted, realised = (
+                np.concatenate([predicted, grow]),
+                np.concatenate([realised, grow]),
+            )
+        shrink = np.minimum(1.0, CALIBRATION_MEMORY / np.maximum(predicted, realised))
+        predicted *= shrink
+        realised *= shrink
+        self._arrays[name] = predicted, realised
+        return predicted, realised
+
+    def for_generation(
+        self, verifier: Engine, params: SamplingParams, seed: int | None
+    ) -> Calibrations:
+        """What one generation reads and updates: this pair's calibrations for its sampling
+        settings where trees sized from them cannot change its tokens (greedy decoding with a
+        batch-invariant verifier, whose greedy tokens do not depend on the tree; sampling
+        without a seed, which promises no particular tokens), else a fresh one (a seeded
+        sample, or greedy decoding whose near ties may fall by the pass's size, gives the
+        same tokens every time)."""
+        carries = batch_invariant(verifier) if params.greedy else seed is None
+        if not carries:
+            return Calibrations()
+        key = (params.greedy, params.temperature, params.top_p, params.top_k, params.min_p)
+        return self._by_sampling.setdefault(key, Calibrations())
+
+
 @dataclass
 class Resources:
     """The parts a tree decoder and its proposer share for one generation.
@@ -62,6 +117,7 @@ class Resources:
     heads: a folder of Medusa heads given explicitly (`load(..., heads=...)`); None: method
         "medusa" looks in the cache for heads trained for this verifier.
     verify_watch: judges the live verifier passes against `verify_cost` (None: not profiled).
+    calibrations: what the proposers learn per depth (see `Calibrations`).
     """
 
     verifier: Engine
@@ -71,6 +127,7 @@ class Resources:
     draft_cost: CostProfile | None = None
     heads: Path | None = None
     verify_watch: CostWatch | None = None
+    calibrations: Calibrations = field(default_factory=Calibrations)
 
     @classmethod
     def build(
@@ -82,21 +139,24 @@ class Resources:
         seed: int | None = None,
         profile: bool = True,
         heads: Path | None = None,
+        calibrations: Calibrations | None = None,
     ) -> Resources:
         """The verifier wrapped for trees, the draft's state, the token chooser (its noise
-        keyed by `seed`), (with `profile`) the cached pass costs of both, and the heads folder
-        given, if any."""
+        keyed by `seed`), (with `profile`) the cached pass costs of both, the heads folder
+        given, if any, and the calibrations this generation starts from (of the pair given,
+        where `Calibrations.for_generation` allows; else the prior)."""
         from ondevice.proposers.draft_tree import DraftState
 
         verifier = tree_engine(verifier)
         vcost = load_profile(verifier) if profile else None
         dcost = load_profile(draft) if profile and draft is not None else None
+        learned = (calibrations or Calibrations()).for_generation(verifier, params, seed)
         state = None
         if draft is not None:
-            state = DraftState(tree_engine(draft), verifier.vocab_size, dcost)
+            state = DraftState(tree_engine(draft), verifier.vocab_size, dcost, learned)
         chooser = TokenChooser(params, verifier.vocab_size, seed)
         watch = CostWatch(vcost) if vcost is not None else None
-        return cls(verifier, state, chooser, vcost, dcost, heads, watch)
+        return cls(verifier, state, chooser, vcost, dcost, heads, watch, learned)
 
     @property
     def params(self) -> SamplingParams:

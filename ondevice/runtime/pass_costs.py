@@ -15,15 +15,28 @@ its linear products, `runtime/kernel.py`, with its threads). A profile measured 
 never read for a model whose products oneDNN serves, nor one of another model or machine.
 
 Staleness. The cost of a pass also changes with what the file cannot name (an upgraded library,
-a machine that got slower). Generations time their verifier passes anyway; `CostWatch` compares
-them with the profile. Once a generation has made `DRIFT_PASSES` timed passes (after
+a machine that got slower). The decoders that time verifier passes (tree, chain, pipelined: each
+through `DecoderBase.timed_pass`; the pipelined one divides a pass that ran beside drafting by
+the contention it measured) tell a `CostWatch` over the verifier's cached profile, which
+compares them with it; a chain decoder, which sizes nothing by it, never has it measured. Once a generation has made `DRIFT_PASSES` timed passes (after
 `DRIFT_WARMUP`), the median of their ratios to the profile is judged: outside
-[1 / DRIFT_FACTOR, DRIFT_FACTOR] it is a strike, written into the file; `DRIFT_STRIKES`
-generations in a row mark the profile stale, and one within the factor clears the strikes. A
-stale profile is measured again by the next `load_profile`, before that generation sizes
-anything. Nothing changes a profile in memory while a generation runs and nothing runs in the
-background: a generation's sizes still depend only on the file it started with and on accepted
-counts. A profile written by hand (no measurement time) is never judged.
+[1 / DRIFT_FACTOR, DRIFT_FACTOR] it is a strike, written into the file with the ratio;
+`DRIFT_STRIKES` generations in a row mark the profile stale, and one within the factor clears
+the strikes and the mark.
+
+Re-measuring. A measurement takes up to `measure`'s budget (tens of seconds on a large model),
+so it never happens inside a generation, where it would stall a request with no word (what
+llama.cpp or Ollama users never see mid-session), nor in the background, where it would slow
+the requests it measures beside. A stale profile is used as it is measured, its costs scaled by
+the live ratio the watch recorded (`CostProfile.scale`), so proposals are sized for what passes
+take now; the first use in a process says so on stderr. It is measured again at the next
+`ondevice.load` (`remeasure_stale`: one line on stderr first, where a wait is expected), or at
+once by deleting the file (`ondevice doctor` lists where). A profile that was never measured is
+measured at its first use, announced the same way. The watch always judges live passes against
+the measured costs, not the scaled ones, so a machine that recovers clears the mark. Nothing
+changes a profile in memory while a generation runs: its sizes depend only on the file it
+started with and on accepted counts. A profile written by hand (no measurement time) is never
+judged.
 """
 
 from __future__ import annotations
@@ -52,6 +65,7 @@ DRIFT_FACTOR = 2.0
 DRIFT_WARMUP = 2  # a generation's first timed passes are not judged (caches, allocation)
 DRIFT_PASSES = 8  # timed passes after the warm-up whose median ratio is judged, once a generation
 DRIFT_STRIKES = 2  # generations in a row with a strike mark the profile stale
+BUDGET_S = 30.0  # seconds a measurement may take (at least three rounds of sizes)
 
 
 @dataclass
@@ -65,13 +79,23 @@ class CostProfile:
     context: int = 0
     measured: float = 0.0  # when (seconds since the epoch; 0: unknown)
     strikes: int = 0  # generations in a row whose live passes disagreed (see the module)
-    stale: bool = False  # measure again at the next load
+    stale: bool = False  # live passes disagree: costs scaled by live_ratio, measured at next load
     live_ratio: float = 0.0  # the last judged generation's live / profiled pass time
     kernel: str = ""  # what served the products, for people (`kernel.products`; in `model`'s key)
     path: Path | None = field(default=None, compare=False, repr=False)  # the file it came from
 
+    @property
+    def scale(self) -> float:
+        """What the costs are multiplied by: the live ratio of a stale profile, else 1."""
+        return self.live_ratio if self.stale and self.live_ratio > 0 else 1.0
+
     def __call__(self, n: int | np.ndarray) -> np.ndarray | float:
-        """Interpolated cost of n tokens; linear extrapolation beyond the largest size."""
+        """Estimated cost of n tokens now: the measured cost times `scale`."""
+        return self.measured_cost(n) * self.scale
+
+    def measured_cost(self, n: int | np.ndarray) -> np.ndarray | float:
+        """Interpolated measured cost of n tokens; linear extrapolation beyond the largest
+        size."""
         x = np.asarray(self.sizes, np.float64)
         y = np.asarray(self.seconds, np.float64)
         n_arr = np.asarray(n, np.float64)
@@ -101,14 +125,17 @@ class CostProfile:
 
     def describe(self) -> str:
         """One line for people: the model, its kernel, a few costs, the age and any strikes."""
-        costs = ", ".join(f"{n}: {self(n) * 1000:.0f}" for n in (1, 4, 8) if n <= self.sizes[-1])
+        costs = ", ".join(
+            f"{n}: {self.measured_cost(n) * 1000:.0f}" for n in (1, 4, 8) if n <= self.sizes[-1]
+        )
         age = (
             f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(self.measured))}"
             if self.measured
             else "measured at an unknown time"
         )
         state = (
-            f"; stale (live passes {self.live_ratio:.2f}x the profile): measured again at next use"
+            f"; stale (live passes {self.live_ratio:.2f}x the profile): used scaled by that, "
+            "measured again at the next load"
             if self.stale
             else f"; live passes {self.live_ratio:.2f}x it in {self.strikes} generation(s)"
             if self.strikes
@@ -214,7 +241,7 @@ def measure(
     *,
     context: int = 256,
     repeats: int = 7,
-    budget_s: float = 30.0,
+    budget_s: float = BUDGET_S,
 ) -> CostProfile:
     """Time `engine.feed` of n tokens after a `context`-token prefix (median of `repeats`, or of
     at least 3 when the repeats would take longer than `budget_s`: a large model on a small CPU
@@ -263,28 +290,56 @@ def load_profile(
     measure_if_missing: bool = True,
     path: Path | None = None,
 ) -> CostProfile | None:
-    """The cached profile of `engine` on this device, measured (and cached) if missing, if it
-    was measured for another device or engine, or if live passes marked it stale (see the
-    module; a stale one is returned as it is without `measure_if_missing`)."""
+    """The cached profile of `engine` on this device, measured (announced on stderr, and
+    cached) if missing or if it was measured for another device or engine (None then without
+    `measure_if_missing`). A stale one is returned as it is, its costs scaled (see the module:
+    it is measured again by `remeasure_stale`, never here)."""
     device, key = device_name(), engine_key(engine)
     path = path or profile_path(device, key)
     found = _read(path)
-    if found is not None and not found.matches(device, key):
-        found = None
-    if found is not None and (not found.stale or not measure_if_missing):
+    if found is not None and found.matches(device, key):
+        if found.stale and path not in _ANNOUNCED:
+            _ANNOUNCED.add(path)
+            _say(
+                f"the pass costs in {path} are stale: live passes took "
+                f"{found.live_ratio:.2f}x them; using them scaled by that until they are "
+                "measured again at the next load"
+            )
         return found
     if not measure_if_missing:
         return None
-    if found is not None:
-        print(
-            f"ondevice: measuring pass costs again ({path.name}): live passes took "
-            f"{found.live_ratio:.2f}x the cached profile",
-            file=sys.stderr,
-            flush=True,
-        )
+    _say(f"measuring pass costs on this machine, once, into {path} (up to about {BUDGET_S:.0f} s)")
+    return _measure_into(engine, sizes, path)
+
+
+def remeasure_stale(engine: Engine) -> CostProfile | None:
+    """Measure `engine`'s cached profile again, at the same sizes, if live passes marked it
+    stale (one line on stderr first); for `ondevice.load`, where a wait is expected. The
+    profile, or None where none is cached."""
+    device, key = device_name(), engine_key(engine)
+    path = profile_path(device, key)
+    found = _read(path)
+    if found is None or not found.matches(device, key) or not found.stale:
+        return found
+    _say(
+        f"measuring the pass costs in {path} again (up to about {BUDGET_S:.0f} s): live "
+        f"passes took {found.live_ratio:.2f}x them"
+    )
+    return _measure_into(engine, tuple(found.sizes), path)
+
+
+_ANNOUNCED: set[Path] = set()  # stale profiles this process has said it uses scaled
+
+
+def _say(line: str) -> None:
+    print(f"ondevice: {line}", file=sys.stderr, flush=True)
+
+
+def _measure_into(engine: Engine, sizes: tuple[int, ...], path: Path) -> CostProfile:
     prof = measure(engine, sizes)
     save_profile(path, prof.to_json())
     prof.path = path
+    _ANNOUNCED.discard(path)
     return prof
 
 
@@ -299,9 +354,16 @@ def _read(path: Path) -> CostProfile | None:
 
 
 class CostWatch:
-    """Judges a generation's live verifier passes against the profile it sized them with, and
-    records a strike or a stale mark in the profile's file (see the module's "Staleness").
-    Nothing it does changes the profile the generation holds."""
+    """Judges a generation's live verifier passes against the measured costs of the profile it
+    started with, and records a strike or a stale mark in the profile's file (see the module's
+    "Staleness"). Nothing it does changes the profile the generation holds."""
+
+    @classmethod
+    def of(cls, engine: Engine) -> CostWatch | None:
+        """A watch over `engine`'s cached profile (None: none is cached; nothing is measured),
+        for decoders that time their passes without sizing anything by the profile."""
+        prof = load_profile(engine, measure_if_missing=False)
+        return cls(prof) if prof is not None else None
 
     def __init__(self, profile: CostProfile):
         self.profile = profile
@@ -314,7 +376,7 @@ class CostWatch:
         self.seen += 1
         if self.judged or self.seen <= DRIFT_WARMUP:
             return
-        self.ratios.append(seconds / max(float(self.profile(n)), 1e-12))
+        self.ratios.append(seconds / max(float(self.profile.measured_cost(n)), 1e-12))
         if len(self.ratios) >= DRIFT_PASSES:
             self.judged = True
             self.judge(float(np.median(self.ratios)))
