@@ -24,9 +24,10 @@ their sources in docs/benchmarks.md, "Issue 26 item 5 / issue 30 item 5: Mac pre
   0.545 with 18 of 24 layers, 0.281 with 12, undistilled); with its head cut to the first 32768
   ids 0.76 x 0.928 (docs/benchmarks.md: 92.8% of its greedy tokens lie in that range) or 0.76.
   Medusa heads: this project's held-out agreement per head (docs/distill.md) and Medusa-1's on
-  Vicuna-7B (top-1..5 per head, FasterDecoding/Medusa `assets/medusa_acc.csv`). Self-drafts:
-  this project's measured skip sets of the 1.5B verifier (docs/benchmarks.md, issue 30) and
-  SWIFT's setting (skip ratio 0.45 with a 0.90 agreement target, hemingkx/SWIFT `eval_llama.sh`).
+  Vicuna-7B (top-1..5 per head as logged in training, FasterDecoding/Medusa
+  `assets/medusa_acc.csv`). Self-drafts: this project's measured skip sets of the 1.5B verifier
+  (docs/benchmarks.md, issue 30) and SWIFT's setting (skip ratio 0.45 with a 0.90 agreement
+  target, hemingkx/SWIFT `eval_llama.sh`).
 
 The predictions use the runtime's own functions: draft chains go through `placement.candidates`
 and `placement.choose` (the `CostModel` the decoders use), Medusa trees through
