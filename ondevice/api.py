@@ -750,7 +750,7 @@ def load(
 
         for loaded in (pair.verifier, pair.draft):
             if loaded is not None:
-                kernel.serve(loaded.model, calibration=kernel.calibration_tokens(loaded.tokenizer))
+                kernel.serve(loaded.model)
     if heads is not None:
         from ondevice.proposers.medusa import check_heads
 

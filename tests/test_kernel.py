@@ -23,13 +23,13 @@ from ondevice.models import load_model, weights
 from ondevice.models.weights import save_model
 from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime import blas, kernel
-from ondevice.runtime.engines import MLXEngine
+from ondevice.runtime.engines import MLXEngine, MLXTreeEngine
 
 pytestmark = pytest.mark.skipif(
     not kernel.available(), reason=f"no CPU kernel here: {kernel._unavailable or 'not on the CPU'}"
 )
 UNDER_MKL = "ONDEVICE_TEST_UNDER_MKL"
-KINDS = [k for k in ("bf16", "f32") if k == "f32" or kernel.cpu_has_bf16()]
+KINDS = [k for k in ("bf16", "int8", "f32") if k == "f32" or kernel.cpu_has_bf16()]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -38,13 +38,30 @@ def test_products_match_mlx(kind, rows):
     lin = nn.Linear(64, 200, bias=True)
     mx.eval(lin.parameters())
     x = mx.random.normal((1, rows, 64), key=mx.random.key(rows))
-    ref = lin(x) if kind == "f32" else (x.astype(mx.bfloat16) @ lin.weight.astype(mx.bfloat16).T)
-    if kind == "bf16":
-        ref = ref.astype(mx.float32) + lin.bias
+    if kind == "int8":  # int8 rows times int8 weight rows, each with its own scale, summed exactly
+        ref = mx.array(_int8_product(np.array(x[0]), np.array(lin.weight)))[None] + lin.bias
+    elif kind == "bf16":
+        ref = (x.astype(mx.bfloat16) @ lin.weight.astype(mx.bfloat16).T).astype(mx.float32)
+        ref = ref + lin.bias
+    else:
+        ref = lin(x)
     got = kernel.KernelLinear(lin.weight, lin.bias, kind)(x)
     assert got.shape == (1, rows, 200) and got.dtype == mx.float32
-    tol = 1e-5 if kind == "f32" else 2e-2
+    tol = {"f32": 1e-5, "int8": 1e-5}.get(kind, 2e-2)
     np.testing.assert_allclose(np.array(got), np.array(ref), rtol=tol, atol=tol)
+    if kind == "int8":  # and int8 is what it claims: far from the float product at this size
+        assert not np.allclose(np.array(got), np.array(lin(x)), rtol=1e-4, atol=1e-4)
+
+
+def _int8_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w.T the way the int8 kernel defines it (runtime/kernel.py, "int8")."""
+
+    def rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        scale = np.maximum(np.abs(a).max(axis=1, keepdims=True), 1e-30) / np.float32(127)
+        return np.rint(a / scale).astype(np.int64), scale.astype(np.float32)
+
+    (qx, sx), (qw, sw) = rows(x.astype(np.float32)), rows(w.astype(np.float32))
+    return (qx @ qw.T).astype(np.float32) * sw[:, 0] * sx
 
 
 def _served(path, kind):
@@ -93,6 +110,23 @@ def test_a_rows_logits_do_not_depend_on_the_pass_size(
             ref = logits
         else:
             assert np.array_equal(logits, ref), (arch, sizes)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_tree_pass_gives_plain_decodings_logits(tmp_path, kind):
+    """The tree decoder scores every round with explicit positions under a mask; its rows must
+    be plain decoding's bit for bit (int8 turns a last-bit difference in a layer's input into
+    another int8 step, and so into a visibly different logit)."""
+    model = _served(tiny.write_model(tmp_path / "m", tie=True, scale=1.5), kind)
+    engine = MLXEngine(model)
+    tree = MLXTreeEngine(engine)
+    prompt, toks = [5, 9, 14, 3, 22, 7, 11, 40], [31, 8, 77, 12, 50]
+    engine.feed(prompt, last_only=True)
+    plain = np.stack([engine.feed([t])[-1] for t in toks])
+    engine.trim(len(toks))
+    n = len(toks)
+    got = tree.feed_masked(toks, range(len(prompt), len(prompt) + n), np.tri(n, dtype=bool))
+    assert np.array_equal(got, plain)
 
 
 def test_a_rows_logits_do_not_depend_on_the_pass_size_where_mkl_serves_mlx():
@@ -159,8 +193,12 @@ def test_a_served_models_plain_parameters_are_its_values_in_mlxs_layout(tmp_path
     got = kernel.plain_parameters(_served(path, kind))
     assert got.keys() == original.keys()
     for name, want in original.items():
-        if kind == "bf16" and weights.is_product_weight(name):
+        if kind in ("bf16", "int8") and weights.is_product_weight(name):
             want = want.astype(mx.bfloat16).astype(mx.float32)
+        if kind == "int8" and name.endswith("_proj.weight"):  # the layers' rows in int8
+            w = np.array(want)
+            scale = np.maximum(np.abs(w).max(axis=1, keepdims=True), 1e-30) / np.float32(127)
+            want = mx.array(np.rint(w / scale).astype(np.int8).astype(np.float32) * scale)
         assert got[name].dtype == mx.float32 and np.array_equal(np.array(got[name]), np.array(want))
 
 

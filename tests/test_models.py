@@ -121,6 +121,26 @@ def test_explicit_positions_and_mask(model):
     np.testing.assert_allclose(_np(out[0, 0]), _np(a[0, -2]), atol=1e-4)
 
 
+def test_explicit_consecutive_positions_rotate_exactly_as_the_offset_does(model):
+    """A tree pass gives its tokens explicit positions; along a chain they must rotate bit for
+    bit as a plain pass does (greedy tree decoding is plain decoding's, even where rounding of
+    a later quantized product would turn a last-bit difference into another token)."""
+    prefix = [4, 8, 15]
+    for L, batch in ((1, 1), (5, 1), (4, 2)):
+        toks = mx.array(np.random.default_rng(L).integers(3, 90, (batch, L)))
+        outs = []
+        for explicit in (False, True):
+            cache = model.make_cache()
+            model(mx.array([prefix] * batch), cache)
+            positions = mx.arange(3, 3 + L)
+            if batch > 1:
+                positions = mx.broadcast_to(positions, (batch, L))
+            causal = mx.array(np.where(np.tri(L, dtype=bool), 0.0, -np.inf).astype(np.float32))
+            kw = {"positions": positions, "mask": causal} if explicit else {}
+            outs.append(_np(model(toks, cache, **kw)))
+        assert np.array_equal(outs[0], outs[1]), (L, batch)
+
+
 def test_batch_dimension(model):
     toks = mx.array([[4, 8, 15, 16], [23, 42, 7, 9]])
     both = model(toks)

@@ -60,21 +60,24 @@ class RoPE(nn.Module):
                 offset=offset,
                 freqs=self._freqs,
             )
-        # Arbitrary per-token positions (token trees): positions has shape (L,) or (B, L).
-        pos = positions.astype(mx.float32) * self._scale
-        if pos.ndim == 2:
-            pos = pos[:, None, :, None]  # (B, 1, L, 1)
-        else:
-            pos = pos[:, None]  # (L, 1)
-        theta = pos / self._freqs
-        cos, sin = mx.cos(theta).astype(x.dtype), mx.sin(theta).astype(x.dtype)
-        if self.traditional:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-            r1, r2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
-            return mx.stack([r1, r2], axis=-1).reshape(x.shape)
-        half = self.dims // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+        # Arbitrary per-token positions (token trees): positions has shape (L,) or (B, L). Each
+        # token becomes a batch entry of one token at its own offset, so that the same kernel
+        # computes its rotation as in a pass at consecutive positions, bit for bit (a tree pass
+        # and a plain one must give the same logits: greedy tree decoding is plain decoding's).
+        B, H, L, D = x.shape
+        pos = positions.reshape(-1, L)
+        flat = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
+        offsets = mx.broadcast_to(pos, (B, L)).reshape(-1).astype(mx.int32)
+        out = mx.fast.rope(
+            flat,
+            self.dims,
+            traditional=self.traditional,
+            base=None,
+            scale=self._scale,
+            offset=offsets,
+            freqs=self._freqs,
+        )
+        return out.reshape(B, L, H, D).transpose(0, 2, 1, 3)
 
 
 class Attention(nn.Module):

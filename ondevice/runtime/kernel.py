@@ -58,7 +58,6 @@ import ctypes
 import os
 import sys
 import threading
-from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -77,50 +76,6 @@ ROWS = 16  # every product runs at this many rows (see "Batch invariance" above)
 PREFILL_ROWS = 128  # ...or, in a pass over more than ROWS tokens (a prompt), in chunks of this
 KEY_BLOCK = 128  # attention reads the keys in blocks of this many (see `attention`)
 THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default: all usable)
-
-CALIBRATION_MAX = 512  # int8: at most this many calibration tokens (see "int8" above)
-CALIBRATION_IDS = 256  # ...or, without a tokenizer, this many ids spread over the vocabulary
-# What int8 models are calibrated on: a little of what assistants are asked (prose, code,
-# arithmetic, a list, another language), the same for every load
-CALIBRATION_TEXT = """\
-<|im_start|>user
-Write a short, friendly email inviting the team to a planning meeting on Thursday.<|im_end|>
-<|im_start|>assistant
-Hi everyone,
-
-I'd like to invite you to our quarterly planning meeting this Thursday at 10:00 in Room 4B.
-We will review last quarter's results, agree on three priorities, and assign owners. Please
-bring one idea you think we should stop doing. Coffee and pastries will be provided!
-
-Best regards,
-Maria
-<|im_end|>
-<|im_start|>user
-Implement binary search in Python and explain its complexity.<|im_end|>
-<|im_start|>assistant
-```python
-def binary_search(items: list[int], target: int) -> int:
-    lo, hi = 0, len(items) - 1
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if items[mid] == target:
-            return mid
-        if items[mid] < target:
-            lo = mid + 1
-        else:
-            hi = mid - 1
-    return -1
-```
-Each step halves the interval, so it takes O(log n) comparisons and O(1) extra memory.
-
-Q: A train travels 180 km in 2.5 hours. What is its average speed?
-A: 180 / 2.5 = 72, so the average speed is 72 km/h.
-
-1. Photosynthesis converts light energy into chemical energy.
-2. The French Revolution began in 1789.
-3. La vie est belle; el conocimiento es poder; Wissen ist Macht.
-{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
-"""
 
 # oneDNN C API constants (dnnl_types.h, oneDNN 3.x)
 _F32, _BF16, _S8 = 3, 2, 5  # dnnl_data_type_t
@@ -545,7 +500,6 @@ class KernelLinear(nn.Module):
     """
 
     threads = 0  # OpenMP threads per product (0: `default_threads()`)
-    _record: dict[int, mx.array] | None = None  # calibration: each product's largest inputs
 
     def __init__(self, weight: mx.array, bias: mx.array | None, kind: str):
         super().__init__()
@@ -553,7 +507,7 @@ class KernelLinear(nn.Module):
         if bias is not None:
             self.bias = bias.astype(mx.float32)
         if kind == "int8":
-            self.to_int8(None, weight)
+            self.to_int8(weight)
             return
         self._dtype = _BF16 if kind == "bf16" else _F32
         self.weight = weight.astype(mx.bfloat16 if kind == "bf16" else mx.float32)
@@ -567,19 +521,10 @@ class KernelLinear(nn.Module):
         self._weight_ptr = self._np_weight.ctypes.data
         self._bias_ptr = self._np_bias.ctypes.data if self._np_bias is not None else None
 
-    def to_int8(self, input_max: mx.array | None, weight: mx.array | None = None) -> None:
-        """Become an int8 product (in place: joint products' parts keep pointing here).
-        input_max: each input channel's largest magnitude seen in calibration, which sets the
-        smoothing (see "int8" above); None: no smoothing."""
+    def to_int8(self, weight: mx.array | None = None) -> None:
+        """Become an int8 product (in place: joint products' parts keep pointing here), from
+        `weight` or from this product's own bf16/float32 weight."""
         w = (self.weight if weight is None else weight).astype(mx.float32)
-        if input_max is not None:
-            # SmoothQuant's per-channel factor: the input divided by s, the weight's columns
-            # multiplied by it, so that both are about as hard to round to int8
-            w_max = mx.abs(w).max(axis=0)
-            s = mx.sqrt(mx.maximum(input_max, 1e-5) / mx.maximum(w_max, 1e-5))
-            s = mx.clip(s, 1e-2, 1e2)
-            self.smooth = 1.0 / s
-            w = w * s
         self.scales = mx.maximum(mx.abs(w).max(axis=1), 1e-30) / 127.0
         q = np.asarray(mx.round(w / self.scales[:, None]).astype(mx.int8))
         del w
@@ -592,8 +537,7 @@ class KernelLinear(nn.Module):
         if self._dtype != _S8:
             return self.weight.astype(mx.float32)
         q = _dnnl.unpack(self._np_weight, self.out_features, self.in_features)  # type: ignore[union-attr]
-        w = mx.array(q).astype(mx.float32) * self.scales[:, None]
-        return w * self.smooth if "smooth" in self else w
+        return mx.array(q).astype(mx.float32) * self.scales[:, None]
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.first_rows(x, self.out_features)
@@ -604,17 +548,10 @@ class KernelLinear(nn.Module):
         K = self.in_features
         lead = x.shape[:-1]
         rows = x.reshape(-1, K)
-        if KernelLinear._record is not None:
-            big = mx.abs(rows).max(axis=0).astype(mx.float32)
-            old = KernelLinear._record.get(id(self))
-            KernelLinear._record[id(self)] = big if old is None else mx.maximum(old, big)
         scale = None
         if self._dtype == _S8:
             assert N == self.out_features, "an int8 matrix's rows are not a prefix of its buffer"
-            rows = rows.astype(mx.float32)
-            if "smooth" in self:
-                rows = rows * self.smooth
-            rows, scale = _quantize_rows(rows)
+            rows, scale = _quantize_rows(rows.astype(mx.float32))
             mx.eval(rows, scale)
         elif self._dtype == _BF16:
             rows = rows.astype(mx.bfloat16).view(mx.uint16)
@@ -727,7 +664,6 @@ def plain_parameters(model: nn.Module) -> dict[str, mx.array]:
         elif isinstance(m, KernelLinear):
             out[f"{path}.weight"] = m.dense()
             out.pop(f"{path}.scales", None)
-            out.pop(f"{path}.smooth", None)
     return out
 
 
@@ -751,11 +687,13 @@ def serves(model: nn.Module) -> bool:
 def products(model: nn.Module) -> str:
     """Which kernel serves a model's linear products, as pass-cost profiles name it: `mlx`
     (MLX's own, through its BLAS) or this kernel's dtype and threads (`onednn-bf16 x2`)."""
-    served = next((m for _, m in model.named_modules() if isinstance(m, KernelLinear)), None)
-    if served is None:
+    served = [m for _, m in model.named_modules() if isinstance(m, KernelLinear)]
+    if not served:
         return "mlx"
-    kind = {mx.bfloat16: "bf16", mx.int8: "int8"}.get(served.weight.dtype, "f32")
-    return f"onednn-{kind} x{served.threads or default_threads()}"
+    # the layers' kind (an int8 model's embedding and head stay bf16)
+    layer = next((m for m in served if not isinstance(m, KernelEmbedding)), served[0])
+    kind = {mx.bfloat16: "bf16", mx.int8: "int8"}.get(layer.weight.dtype, "f32")
+    return f"onednn-{kind} x{layer.threads or default_threads()}"
 
 
 def batch_invariant(model: nn.Module) -> bool:
@@ -773,19 +711,13 @@ def batch_invariant(model: nn.Module) -> bool:
     )
 
 
-def serve(
-    model: nn.Module,
-    kind: str | None = None,
-    threads: int = 0,
-    calibration: Sequence[int] | None = None,
-) -> str:
+def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
     """Swap the linear products of an MLX transformer (`models.transformer.Model`) for the CPU
     kernel where it serves this machine; returns the kind in use (`mlx`: nothing changed).
 
     Only float32 layers (or bfloat16 ones rounded by the loader, `weight_dtype`) are swapped:
     quantized ones keep MLX's quantized products. threads: OpenMP threads per product (0:
-    `default_threads()`). calibration: int8 only, the tokens whose activations set each
-    layer's smoothing (`calibration_tokens`; None: ids spread over the vocabulary)."""
+    `default_threads()`)."""
     kind = kind or choice()
     if kind == "mlx":
         return kind
@@ -793,7 +725,7 @@ def serve(
         raise RuntimeError(_unavailable or "oneDNN is unavailable")
     _swap(model, "bf16" if kind == "int8" else kind, threads)
     if kind == "int8" and serves(model):
-        _to_int8(model, calibration)
+        _to_int8(model)
     return kind
 
 
@@ -846,17 +778,10 @@ def _swap(model: nn.Module, kind: str, threads: int) -> None:
     _release()
 
 
-def calibration_tokens(tokenizer: Any) -> list[int]:
-    """The tokens whose activations set an int8 model's smoothing: `CALIBRATION_TEXT` in the
-    model's own tokens, so that every load of a model makes the same int8 weights."""
-    return list(tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))
-
-
-def _to_int8(model: nn.Module, calibration: Sequence[int] | None) -> None:
-    """Turn a bf16-served model's layers into int8 products, each smoothed by the largest
-    input it met on the calibration tokens. The head and the embedding stay bf16: the head's
-    products are the logits themselves, a truncated head reads a prefix of its rows (not one
-    of a packed matrix), and the embedding is looked up row by row."""
+def _to_int8(model: nn.Module) -> None:
+    """Turn a bf16-served model's layers into int8 products. The head and the embedding stay
+    bf16: the head's products are the logits themselves, a truncated head reads a prefix of its
+    rows (not one of a packed matrix), and the embedding is looked up row by row."""
     head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head  # type: ignore[union-attr]
     layers = {  # by identity: a joint product is reached through each of its parts
         id(m): m
@@ -866,17 +791,8 @@ def _to_int8(model: nn.Module, calibration: Sequence[int] | None) -> None:
         and m is not head
         and m._dtype == _BF16
     }.values()
-    if calibration is None:  # no tokenizer: ids spread evenly over the vocabulary
-        vocab = model.config.vocab_size  # type: ignore[union-attr]
-        calibration = list(range(0, vocab, max(1, vocab // CALIBRATION_IDS)))
-    seen: dict[int, mx.array] = {}
-    KernelLinear._record = seen
-    try:
-        model(mx.array(list(calibration)[:CALIBRATION_MAX])[None])
-    finally:
-        KernelLinear._record = None
     for m in layers:
-        m.to_int8(seen.get(id(m)))
+        m.to_int8()
         _release()
 
 
