@@ -213,8 +213,15 @@ def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, 
     monkeypatch.delenv(kernel.ENV, raising=False)  # by default, where oneDNN loads
     gen = ondevice.load(*served_pair)
     assert gen.verifier.batch_invariant
-    for model in (gen._pair.verifier.model, gen._pair.draft.model):
+    verifier, draft = gen._pair.verifier.model, gen._pair.draft.model
+    for model in (verifier, draft):
         assert isinstance(model.layers[0].self_attn.o_proj, kernel.KernelLinear)
+    # the draft rounds to int8 where the CPU has int8 dot products: it changes no token
+    want = "int8" if kernel.cpu_has_int8() and kernel.choice() == "bf16" else kernel.choice()
+    assert kernel.draft_choice() == want
+    threads = kernel.default_threads()
+    assert kernel.products(draft) == f"onednn-{want} x{threads}"
+    assert kernel.products(verifier) == f"onednn-{kernel.choice()} x{threads}"
     monkeypatch.setenv(kernel.ENV, "mlx")
     gen = ondevice.load(*served_pair)
     assert type(gen._pair.verifier.model.layers[0].self_attn.q_proj) is nn.Linear
@@ -343,3 +350,12 @@ def test_a_bfloat16_checkpoint_keeps_mlxs_products(tmp_path):
     path = tiny.write_model(tmp_path / "st", tie=False)
     model = load_model(path, dtype="bfloat16").model
     assert kernel.serve(model, "bf16") == "bf16" and not kernel.serves(model)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_an_int8_models_profiles_are_named_by_its_layers(tmp_path, tie):
+    """Its head (untied or tied) stays bf16; its pass costs are int8 layers' costs."""
+    model = _served(tiny.write_model(tmp_path / "m", tie=tie, scale=1.5), "int8")
+    head = model.model.embed_tokens if tie else model.lm_head
+    assert head.weight.dtype == mx.bfloat16
+    assert kernel.products(model) == f"onednn-int8 x{kernel.default_threads()}"

@@ -104,17 +104,33 @@ def _library() -> Path | None:
     return None
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bfloat16 dot products natively (AVX512-BF16 or AMX)."""
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = line.split()
-                    return "avx512_bf16" in flags or "amx_bf16" in flags
+                    return set(line.split()[2:])
     except OSError:
         pass
-    return False
+    return set()
+
+
+def cpu_has_int8() -> bool:
+    """Whether this CPU computes int8 dot products natively (AVX512-VNNI, AVX-VNNI or AMX)."""
+    return bool(_cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def draft_choice() -> str:
+    """What serves the MLX draft's products: int8 where the kernel serves and the CPU has int8
+    dot products, since a draft's rounding changes only how often its guesses are accepted,
+    never the output (`ONDEVICE_KERNEL` chooses for it too where it says f32 or mlx)."""
+    kind = choice()
+    return "int8" if kind in ("bf16", "int8") and cpu_has_int8() else kind
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 dot products natively (AVX512-BF16 or AMX)."""
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 class _Plan:
@@ -409,7 +425,8 @@ def choice() -> str:
 
 
 def status() -> dict[str, Any]:
-    """For `ondevice doctor`: which kernel serves the verifier's linear products, and why."""
+    """For `ondevice doctor`: which kernel serves the verifier's linear products (and an MLX
+    draft's: `draft`), and why."""
     kind = choice()
     out: dict[str, Any] = {"kernel": kind, "env": os.environ.get(ENV)}
     if kind == "mlx":
@@ -423,6 +440,8 @@ def status() -> dict[str, Any]:
     else:
         out["library"] = str(_library())
         out["bf16_dot_products"] = cpu_has_bf16()
+        out["int8_dot_products"] = cpu_has_int8()
+        out["draft"] = draft_choice()
     return out
 
 
@@ -690,10 +709,9 @@ def products(model: nn.Module) -> str:
     served = [m for _, m in model.named_modules() if isinstance(m, KernelLinear)]
     if not served:
         return "mlx"
-    # the layers' kind (an int8 model's embedding and head stay bf16)
-    layer = next((m for m in served if not isinstance(m, KernelEmbedding)), served[0])
-    kind = {mx.bfloat16: "bf16", mx.int8: "int8"}.get(layer.weight.dtype, "f32")
-    return f"onednn-{kind} x{layer.threads or default_threads()}"
+    dtypes = {m.weight.dtype for m in served}  # an int8 model's head and embedding stay bf16
+    kind = "int8" if mx.int8 in dtypes else "bf16" if mx.bfloat16 in dtypes else "f32"
+    return f"onednn-{kind} x{served[0].threads or default_threads()}"
 
 
 def batch_invariant(model: nn.Module) -> bool:
