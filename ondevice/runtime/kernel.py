@@ -38,9 +38,21 @@ Memory: a loader that is told `weight_dtype()` (`ondevice.load` does) rounds eac
 and the embedding to bfloat16 as it reads it (models/weights.py), so no float32 copy of the
 model exists; an untied embedding's looked-up rows are widened to float32 (`KernelEmbedding`).
 
+int8: each weight row is rounded to int8 with its own scale (its largest magnitude maps to 127)
+and reordered once, at load, into the blocked layout oneDNN's matmul prefers (`_OneDNN.pack`;
+read in MLX's row-major layout, int8 products lose a quarter of their speed to reordering
+blocks on every call). Each input row is rounded the same way at run time, the products sum
+in int32 and the result is scaled back. Integer sums are exact, so any blocking gives the same
+rows: int8 is batch-invariant by construction. A one-token pass reads half the bytes of bf16's,
+but rounding every input row to 256 levels moves a model's distribution further from its
+float32 one than bf16 does (docs/benchmarks.md, "int8"), so the verifier gets int8 only when
+asked (`ONDEVICE_KERNEL=int8`), while an MLX draft gets it wherever the CPU has int8 dot
+products (`draft_choice`): a draft's rounding changes how often its guesses are accepted, never
+a token of the output. The head and the embedding stay bf16 (`_to_int8`).
+
 `ONDEVICE_KERNEL` chooses: `auto` (the default: bf16 where the CPU has AVX512-BF16, else
-float32; MLX's own products where oneDNN cannot be loaded), `bf16`, `f32` (both through oneDNN)
-or `mlx` (MLX's own products, MKL or OpenBLAS: the path before this kernel).
+float32; MLX's own products where oneDNN cannot be loaded), `bf16`, `int8`, `f32` (through
+oneDNN) or `mlx` (MLX's own products, MKL or OpenBLAS: the path before this kernel).
 
 Which tokens: the kernel serves by default wherever it can (Linux x86_64 with the
 `onednn-cpu-gomp` wheel loadable, MLX on the CPU). With bf16 weights and bf16 dot products a
