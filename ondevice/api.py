@@ -748,9 +748,9 @@ def load(
     if dequantize:  # MLX on the CPU: its float32 linear products go to the CPU kernel
         from ondevice.runtime import kernel
 
-        kernel.serve(pair.verifier.model)
-        if pair.draft is not None:  # the draft may round more: it changes no output token
-            kernel.serve(pair.draft.model, kernel.draft_choice())
+        for loaded in (pair.verifier, pair.draft):
+            if loaded is not None:
+                kernel.serve(loaded.model)
     if heads is not None:
         from ondevice.proposers.medusa import check_heads
 

@@ -215,11 +215,8 @@ def _kernel_line(k: dict[str, Any]) -> str:
         return f"mlx (MLX's own products: {k['reason']})"
     dots = {"bf16": "bf16 dot products", "int8": "int8 dot products"}
     how = "ONDEVICE_KERNEL=" + k["env"] if k.get("env") else "the default"
-    line = f"oneDNN {k['kernel']} weights, {dots.get(k['kernel'], 'float32')}, serves the verifier ({how})"
-    draft = k.get("draft", k["kernel"])
-    if draft != k["kernel"]:
-        line += f"; an MLX draft: {draft} weights, {dots.get(draft, 'float32')}"
-    return f"{line} ({k['library']})"
+    products = f"{k['kernel']} weights, {dots.get(k['kernel'], 'float32')}"
+    return f"oneDNN {products}, serves the verifier ({how}) ({k['library']})"
 
 
 def _mapped_libraries() -> list[str]:

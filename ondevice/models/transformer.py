@@ -50,33 +50,26 @@ class RoPE(nn.Module):
         mx.eval(self._freqs)
 
     def __call__(self, x: mx.array, offset: int, positions: mx.array | None) -> mx.array:
-        if positions is None:
-            return mx.fast.rope(
-                x,
-                self.dims,
-                traditional=self.traditional,
-                base=None,
-                scale=self._scale,
-                offset=offset,
-                freqs=self._freqs,
-            )
-        # Arbitrary per-token positions (token trees): positions has shape (L,) or (B, L). Each
-        # token becomes a batch entry of one token at its own offset, so that the same kernel
-        # computes its rotation as in a pass at consecutive positions, bit for bit (a tree pass
-        # and a plain one must give the same logits: greedy tree decoding is plain decoding's).
+        # Arbitrary per-token positions (token trees: shape (L,) or (B, L)): each token becomes
+        # a batch entry of one token at its own offset, so that the same kernel rotates it as a
+        # pass at consecutive positions would, bit for bit (a tree pass and a plain one must
+        # give the same logits: greedy tree decoding is plain decoding's).
         B, H, L, D = x.shape
-        pos = positions.reshape(-1, L)
-        flat = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
-        offsets = mx.broadcast_to(pos, (B, L)).reshape(-1).astype(mx.int32)
+        at: int | mx.array = offset
+        if positions is not None:
+            x = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
+            at = mx.broadcast_to(positions.reshape(-1, L), (B, L)).reshape(-1).astype(mx.int32)
         out = mx.fast.rope(
-            flat,
+            x,
             self.dims,
             traditional=self.traditional,
             base=None,
             scale=self._scale,
-            offset=offsets,
+            offset=at,
             freqs=self._freqs,
         )
+        if positions is None:
+            return out
         return out.reshape(B, L, H, D).transpose(0, 2, 1, 3)
 
 
