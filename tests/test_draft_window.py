@@ -23,6 +23,16 @@ SHORT = WORDS[:20]
 NEW = 48
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_home(tmp_path_factory: pytest.TempPathFactory):
+    """This module's cost profiles of its own: ones another module's tiny model of the same
+    shape left in the suite's home (marked stale under that module's load, and so used scaled)
+    made auto size its proposals by another test's timings and, in one run, never draft."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ONDEVICE_HOME", str(tmp_path_factory.mktemp("window-home")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("window")
