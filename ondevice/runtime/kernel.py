@@ -547,11 +547,9 @@ class KernelLinear(nn.Module):
     def to_int8(self, weight: mx.array | None = None) -> None:
         """Become an int8 product (in place: joint products' parts keep pointing here), from
         `weight` or from this product's own bf16/float32 weight."""
-        w = (self.weight if weight is None else weight).astype(mx.float32)
-        self.scales = mx.maximum(mx.abs(w).max(axis=1), 1e-30) / 127.0
-        q = np.asarray(mx.round(w / self.scales[:, None]).astype(mx.int8))
-        del w
-        self.weight = mx.array(_dnnl.pack(q))  # type: ignore[union-attr]
+        q, scale = _quantize_rows((self.weight if weight is None else weight).astype(mx.float32))
+        self.scales = scale.reshape(-1)
+        self.weight = mx.array(_dnnl.pack(np.asarray(q)))  # type: ignore[union-attr]
         self._dtype = _S8
         self._pointers()
 
@@ -575,7 +573,6 @@ class KernelLinear(nn.Module):
         if self._dtype == _S8:
             assert N == self.out_features, "an int8 matrix's rows are not a prefix of its buffer"
             rows, scale = _quantize_rows(rows.astype(mx.float32))
-            mx.eval(rows, scale)
         elif self._dtype == _BF16:
             rows = rows.astype(mx.bfloat16).view(mx.uint16)
         elif rows.dtype != mx.float32:
@@ -609,8 +606,9 @@ class KernelLinear(nn.Module):
 
 
 def _quantize_rows(rows: mx.array) -> tuple[mx.array, mx.array]:
-    """Each row of a (M, K) float32 input as int8 with its own scale (row by row, so a row's
-    values do not depend on the other rows of the pass)."""
+    """Each row of a (M, K) float32 matrix as int8 with its own scale, its largest magnitude
+    mapping to 127: a weight's rows at load, a pass's input rows at run time (row by row, so a
+    row's values do not depend on the other rows of the pass)."""
     scale = mx.maximum(mx.abs(rows).max(axis=1, keepdims=True), 1e-30) / 127.0
     return mx.round(rows / scale).astype(mx.int8), scale
 
