@@ -748,9 +748,9 @@ def load(
     if dequantize:  # MLX on the CPU: its float32 linear products go to the CPU kernel
         from ondevice.runtime import kernel
 
-        for loaded in (pair.verifier, pair.draft):
-            if loaded is not None:
-                kernel.serve(loaded.model)
+        kernel.serve(pair.verifier.model)
+        if pair.draft is not None:  # a draft's rounding changes no output token
+            kernel.serve(pair.draft.model, kernel.draft_choice(), draft=True)
     if heads is not None:
         from ondevice.proposers.medusa import check_heads
 

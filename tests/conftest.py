@@ -34,6 +34,16 @@ def unfetchable_default_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     return "p"
 
 
+@pytest.fixture
+def draft_as_verifier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU kernel serves the draft as it serves the verifier (by default it may round an MLX
+    draft to int8: runtime/kernel.py, `draft_choice`), for tests that draft with the verifier
+    itself and expect every draft accepted."""
+    from ondevice.runtime import kernel
+
+    monkeypatch.setenv(kernel.ENV, kernel.choice())
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny verifier and a perturbed copy of it as its draft (test files may define their own)."""

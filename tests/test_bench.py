@@ -72,10 +72,14 @@ def test_bench_writes_json_and_png(pair, prompts, tmp_path, capsys):
     assert {"platform", "cpu", "blas", "versions", "mlx_device"} <= set(r["machine"])
     assert "openblas_preloaded" in r["machine"]["blas"]
     assert r["machine"]["versions"]["mlx"]
-    # the draft is a perturbed copy of the verifier: same parameter bytes
+    # the draft is a perturbed copy of the verifier: same parameter bytes, unless the CPU
+    # kernel rounds the draft's layers to int8 (kernel.draft_choice)
     m = r["models"]
     assert m["verifier"]["param_bytes"] > 0
-    assert m["draft_to_verifier_memory"] == pytest.approx(1.0)
+    if kernel.draft_choice() == kernel.choice():
+        assert m["draft_to_verifier_memory"] == pytest.approx(1.0)
+    else:
+        assert 0.3 < m["draft_to_verifier_memory"] < 0.9
 
     for method in ("plain", "chain"):
         assert set(r["aggregates"][method]) == {"chat", "code", "all"}

@@ -280,7 +280,7 @@ def test_auto_with_a_draft_keeps_its_candidates_and_adds_a_cached_self(verifier,
     draft = MLXEngine(load_model(tiny.write_model(tmp_path / "d", seed=4, layers=1)).model)
     _, names = _auto(verifier, draft)
     # the draft's candidates first (the likeliest to pay get the first tries), then the others
-    assert names == ["plain", "greedy-path", "tree", "cascade", "pld"]
+    assert names == ["plain", "tree", "greedy-path", "cascade", "pld"]
     _cache_skip_set(verifier, 1.3)
     dec, with_self = _auto(verifier, draft)
     assert with_self == [*names, "self"]

@@ -216,8 +216,17 @@ def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, 
     verifier, draft = gen._pair.verifier.model, gen._pair.draft.model
     for model in (verifier, draft):
         assert isinstance(model.layers[0].self_attn.o_proj, kernel.KernelLinear)
-    for model in (verifier, draft):
-        assert kernel.products(model) == f"onednn-{kernel.choice()} x{kernel.default_threads()}"
+    # by default an MLX draft rounds to int8 where the CPU has int8 dot products (it changes
+    # how often the draft is accepted, never a token); a kind named in ONDEVICE_KERNEL serves both
+    threads = kernel.default_threads()
+    want = "int8" if kernel.choice() == "bf16" and kernel.cpu_has_int8() else kernel.choice()
+    assert kernel.draft_choice() == want
+    assert kernel.products(verifier) == f"onednn-{kernel.choice()} x{threads}"
+    assert kernel.products(draft) == f"onednn-{want} x{threads}"
+    monkeypatch.setenv(kernel.ENV, kernel.choice())
+    gen = ondevice.load(*served_pair)
+    for model in (gen._pair.verifier.model, gen._pair.draft.model):
+        assert kernel.products(model) == f"onednn-{kernel.choice()} x{threads}"
     monkeypatch.setenv(kernel.ENV, "mlx")
     gen = ondevice.load(*served_pair)
     assert type(gen._pair.verifier.model.layers[0].self_attn.q_proj) is nn.Linear
@@ -290,12 +299,16 @@ def test_doctor_names_the_kernel(monkeypatch):
     from ondevice.apps import doctor
 
     monkeypatch.delenv(kernel.ENV, raising=False)  # the default serves where it can
-    line = "kernel      oneDNN bf16 weights, bf16 dot products, serves the verifier (the default)"
+    line = "kernel      oneDNN bf16 weights, bf16 dot products, serves the verifier"
     if "bf16" not in KINDS:
-        line = "kernel      oneDNN f32 weights, float32, serves the verifier (the default)"
-    assert line in doctor.render(doctor.collect())
+        line = "kernel      oneDNN f32 weights, float32, serves the verifier"
+    if kernel.draft_choice() == "int8" != kernel.choice():
+        line += "; int8 weights, int8 dot products, serve an MLX draft"
+    assert line + " (the default)" in doctor.render(doctor.collect())
     monkeypatch.setenv(kernel.ENV, "auto")
-    assert "serves the verifier (ONDEVICE_KERNEL=auto)" in doctor.render(doctor.collect())
+    assert line + " (ONDEVICE_KERNEL=auto)" in doctor.render(doctor.collect())
+    monkeypatch.setenv(kernel.ENV, "bf16" if "bf16" in KINDS else "f32")
+    assert "serves the verifier (ONDEVICE_KERNEL=" in doctor.render(doctor.collect())
     monkeypatch.setenv(kernel.ENV, "mlx")
     report = doctor.collect()
     assert report["kernel"] == {"kernel": "mlx", "env": "mlx", "reason": "ONDEVICE_KERNEL=mlx"}
@@ -355,3 +368,47 @@ def test_an_int8_models_profiles_are_named_by_its_layers(tmp_path, tie):
     head = model.model.embed_tokens if tie else model.lm_head
     assert head.weight.dtype == mx.bfloat16
     assert kernel.products(model) == f"onednn-int8 x{kernel.default_threads()}"
+
+
+@pytest.mark.skipif("int8" not in KINDS, reason="int8 is tested where the CPU has bf16 and int8")
+@pytest.mark.parametrize("tie", [True, False])
+def test_an_int8_drafts_head_scores_only_its_first_ids_in_int8(tmp_path, monkeypatch, tie):
+    """A draft's head in int8 over the first DRAFT_VOCAB ids: the draft's vocabulary becomes
+    those ids, its logits are the int8 product of those rows, its own weights unchanged."""
+    monkeypatch.setattr(kernel, "DRAFT_VOCAB", 60)
+    path = tiny.write_model(tmp_path / "m", tie=tie, scale=1.5)
+    vocab = tiny.make_config()["vocab_size"]
+    ref = _served(path, "bf16")
+    loaded = load_model(path, dequantize=True)
+    kernel.serve(loaded.model, "int8", draft=True)
+    model = loaded.model
+    assert model.config.draft_vocab_size == 60 < vocab
+    head = model.model.embed_tokens if tie else model.lm_head
+    small = head.get("_int8_rows") if tie else head
+    assert small.out_features == 60 and small._dtype == kernel._S8
+    logits = model(mx.array([5, 9, 14]))
+    assert logits.shape == (1, 3, 60)
+    # the int8 product of the bf16 head's first 60 rows
+    full = ref(mx.array([5, 9, 14]))[..., :60]
+    assert np.allclose(np.array(logits), np.array(full), atol=0.1 * float(mx.abs(full).max()))
+    assert not np.array_equal(np.array(logits), np.array(full))  # rounded: not the bf16 head's
+    names = {k for k, _ in tree_flatten(model.parameters())}
+    int8 = {k for k, _ in tree_flatten(_served(path, "int8").parameters())}
+    assert names == int8 | (set() if tie else {"lm_head.scales"})
+
+
+@pytest.mark.skipif("int8" not in KINDS, reason="int8 is tested where the CPU has bf16 and int8")
+def test_a_draft_with_fewer_ids_changes_no_token(served_pair, monkeypatch):
+    """Greedy and seeded sampled output with an int8 draft that scores only the first ids: the
+    verifier's own (a token past those ids comes from the verifier's rule)."""
+    monkeypatch.delenv(kernel.ENV, raising=False)
+    monkeypatch.setattr(kernel, "DRAFT_VOCAB", 60)
+    gen = ondevice.load(*served_pair)
+    assert gen._pair.draft.model.config.draft_vocab_size == 60
+    plain = gen.generate("hello world", max_tokens=40, speculative=False)
+    assert any(t >= 60 for t in plain.tokens)  # the verifier says tokens the draft cannot
+    spec = gen.generate("hello world", max_tokens=40, num_draft_tokens=3)
+    assert spec.tokens == plain.tokens and spec.stats["accepted"] > 0
+    args = dict(max_tokens=40, num_draft_tokens=3, temperature=0.8, seed=5)
+    sampled = gen.generate("hello world", **args)
+    assert sampled.tokens == gen.generate("hello world", pipeline=True, **args).tokens

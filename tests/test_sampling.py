@@ -132,7 +132,7 @@ def test_api_penalties_change_the_answer_and_stay_lossless(gen):
 
 
 @pytest.mark.parametrize("speculative", [True, False])
-def test_logprobs_are_the_verifiers(pair, speculative):
+def test_logprobs_are_the_verifiers(pair, speculative, draft_as_verifier):
     """Log-probabilities of emitted tokens are the verifier's raw log-softmax at each position,
     whether the token came from the draft or not (the draft is the verifier itself here, so
     drafts are accepted)."""
@@ -233,7 +233,7 @@ def test_unsupported_or_bad_fields_are_refused_by_name(server, extra, param):
 
 
 @pytest.mark.parametrize("method", ["chain", "pipeline", "cascade"])
-def test_the_draft_sees_the_verifiers_context(pair, method):
+def test_the_draft_sees_the_verifiers_context(pair, method, draft_as_verifier):
     """With the verifier as its own draft, every draft is accepted under penalties only if the
     draft penalises exactly what the verifier will (its own drafted tokens included)."""
     g = ondevice.load(pair[0], pair[0])

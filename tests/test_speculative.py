@@ -83,14 +83,14 @@ def test_adaptive_k_is_lossless_and_reports_stats(gen):
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_identical_draft_accepts_everything(pair, k):
+def test_identical_draft_accepts_everything(pair, k, draft_as_verifier):
     g = ondevice.load(pair[0], pair[0])
     r = g.generate("the cat sat", max_tokens=40, num_draft_tokens=k, chat_template=False)
     assert r.stats["acceptance_rate"] == 1.0
     assert r.stats["mean_accepted_length"] == k + 1
 
 
-def test_eos_inside_an_accepted_block_ends_generation(tmp_path):
+def test_eos_inside_an_accepted_block_ends_generation(tmp_path, draft_as_verifier):
     v = tiny.write_model(tmp_path / "v", scale=1.5)
     g0 = ondevice.load(v)
     prompt = next(
@@ -149,7 +149,7 @@ def test_prompt_forms(gen):
     assert a.tokens == b.tokens == c.tokens
 
 
-def test_stream_and_astream_agree_with_generate(pair):
+def test_stream_and_astream_agree_with_generate(pair, draft_as_verifier):
     import asyncio
 
     gen = ondevice.load(pair[0], pair[0])  # identical draft: from_draft must show up

@@ -215,8 +215,11 @@ def _kernel_line(k: dict[str, Any]) -> str:
         return f"mlx (MLX's own products: {k['reason']})"
     dots = {"bf16": "bf16 dot products", "int8": "int8 dot products"}
     how = "ONDEVICE_KERNEL=" + k["env"] if k.get("env") else "the default"
-    products = f"{k['kernel']} weights, {dots.get(k['kernel'], 'float32')}"
-    return f"oneDNN {products}, serves the verifier ({how}) ({k['library']})"
+    line = f"oneDNN {k['kernel']} weights, {dots.get(k['kernel'], 'float32')}, serves the verifier"
+    draft = k.get("draft", k["kernel"])
+    if draft != k["kernel"]:
+        line += f"; {draft} weights, {dots.get(draft, 'float32')}, serve an MLX draft"
+    return f"{line} ({how}) ({k['library']})"
 
 
 def _mapped_libraries() -> list[str]:

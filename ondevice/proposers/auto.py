@@ -196,10 +196,12 @@ def build(res: Resources, spec: Speculation) -> AutoProposer:
     reason in `left_out` (the decoder's stats show it as "auto_left_out")."""
     from ondevice.proposers.registry import METHODS
 
-    # the order tries are made in, the likeliest to pay first (tries are budgeted)
+    # the order tries are made in, the likeliest to pay first (tries are budgeted): the draft's
+    # tree before its greedy path, which is the tree's first branch and pays only where the
+    # tree's other branches cost more than they find
     cands: list[Proposer] = [NoProposal()]
     if res.draft is not None:
-        cands += [build_greedy_path(res, spec), build_tree(res, spec), cascade.build(res, spec)]
+        cands += [build_tree(res, spec), build_greedy_path(res, spec), cascade.build(res, spec)]
     left_out: dict[str, str] = {}
     as_candidate = replace(spec, method="auto")  # builders: use only what is cached
     for m in METHODS.values():

@@ -46,15 +46,25 @@ in int32 and the result is scaled back. Integer sums are exact, so any blocking 
 rows: int8 is batch-invariant by construction. A one-token pass reads half the bytes of bf16's,
 but rounding every input row to 256 levels moves a model's distribution further from its
 float32 one than bf16 does (docs/benchmarks.md, "int8"), so the verifier gets int8 only when
-asked (`ONDEVICE_KERNEL=int8`, the MLX draft's products too). The head and the embedding stay
-bf16 (`_to_int8`). An int8 draft under a bf16 verifier would be cheaper and change no greedy
-token, but it broke the identity of seeded sampling between the sequential and the pipelined
-decoder in a test (cause not found yet: see docs/benchmarks.md), so the draft follows the
-verifier.
+asked (`ONDEVICE_KERNEL=int8`). A draft's rounding changes how often its guesses are accepted,
+never a token of the output (greedy or, with a seed, sampled: the sequential and the pipelined
+decoder agree whatever the draft computes), so by default an MLX draft gets int8 wherever the
+CPU has int8 dot products (`draft_choice`): its step costs a fifth less. The head and the
+embedding stay bf16 (`_to_int8`).
+
+The draft's head: a draft's head is about a quarter of its step (the 0.5B draft's tied head is
+151,936 x 896). An int8 draft gets an int8 head over the first `DRAFT_VOCAB` token ids only
+(`_draft_head`): BPE vocabularies number their tokens in merge order, the commonest first, and
+65,536 ids hold 98.9% of the default verifier's tokens on Spec-Bench dev (32,768: 96%). The
+draft then scores only those ids (its `draft_vocab_size`, as a distilled FR-Spec draft's); a
+token past them is one the draft never proposes, which the verifier's own rule takes from its
+residual: the output is exactly the verifier's either way. Measured: the 0.5B draft's step 64 ms
+with its bf16 head, 52 ms with this one (docs/benchmarks.md, "Issue 26, session 5").
 
 `ONDEVICE_KERNEL` chooses: `auto` (the default: bf16 where the CPU has AVX512-BF16, else
-float32; MLX's own products where oneDNN cannot be loaded), `bf16`, `int8`, `f32` (through
-oneDNN) or `mlx` (MLX's own products, MKL or OpenBLAS: the path before this kernel).
+float32, and an int8 draft as above; MLX's own products where oneDNN cannot be loaded), `bf16`,
+`int8`, `f32` (through oneDNN, for both models) or `mlx` (MLX's own products, MKL or OpenBLAS:
+the path before this kernel).
 
 Which tokens: the kernel serves by default wherever it can (Linux x86_64 with the
 `onednn-cpu-gomp` wheel loadable, MLX on the CPU). With bf16 weights and bf16 dot products a
@@ -69,6 +79,7 @@ tests that check them) use `ONDEVICE_KERNEL=mlx`, or compare with this kernel's 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -86,6 +97,7 @@ CHOICES = ("auto", "bf16", "int8", "f32", "mlx")
 DEFAULT = "auto"  # see "Which tokens" above
 DIST = "onednn-cpu-gomp"  # oneDNN's CPU build with GNU OpenMP: needs only libgomp
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformer.py's
+DRAFT_VOCAB = 65536  # an int8 draft scores this many ids at most (see "The draft's head")
 ROWS = 16  # every product runs at this many rows (see "Batch invariance" above)...
 PREFILL_ROWS = 128  # ...or, in a pass over more than ROWS tokens (a prompt), in chunks of this
 KEY_BLOCK = 128  # attention reads the keys in blocks of this many (see `attention`)
@@ -414,6 +426,12 @@ def default_threads() -> int:
             return max(1, int(raw))
     except ValueError:
         raise ValueError(f"{THREADS_ENV}={raw!r}: give a number of threads, e.g. 1 or 2.") from None
+    return _usable_cores()
+
+
+@functools.cache
+def _usable_cores() -> int:
+    """The cores this process may use (asked once: a pass makes about a hundred products)."""
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     return max(1, len(usable) if usable else (os.cpu_count() or 1))
 
@@ -430,8 +448,18 @@ def choice() -> str:
     return want
 
 
+def draft_choice() -> str:
+    """What serves an MLX draft's products: by default (`auto`) int8 where the verifier gets bf16
+    and the CPU has int8 dot products (see "int8" above); a kind named in `ONDEVICE_KERNEL`
+    serves both models."""
+    kind = choice()
+    asked = os.environ.get(ENV, DEFAULT).strip().lower() or DEFAULT
+    return "int8" if asked == "auto" and kind == "bf16" and cpu_has_int8() else kind
+
+
 def status() -> dict[str, Any]:
-    """For `ondevice doctor`: which kernel serves the verifier's linear products, and why."""
+    """For `ondevice doctor`: which kernel serves the verifier's linear products (and an MLX
+    draft's: `draft`), and why."""
     kind = choice()
     out: dict[str, Any] = {"kernel": kind, "env": os.environ.get(ENV)}
     if kind == "mlx":
@@ -446,6 +474,7 @@ def status() -> dict[str, Any]:
         out["library"] = str(_library())
         out["bf16_dot_products"] = cpu_has_bf16()
         out["int8_dot_products"] = cpu_has_int8()
+        out["draft"] = draft_choice()
     return out
 
 
@@ -541,15 +570,18 @@ class KernelLinear(nn.Module):
         bf16 = self._dtype == _BF16
         self._np_weight = np.asarray(self.weight.view(mx.uint16) if bf16 else self.weight)
         self._np_bias = np.asarray(self.bias) if "bias" in self else None
+        self._np_scales = np.asarray(self.scales) if self._dtype == _S8 else None
         self._weight_ptr = self._np_weight.ctypes.data
         self._bias_ptr = self._np_bias.ctypes.data if self._np_bias is not None else None
 
     def to_int8(self, weight: mx.array | None = None) -> None:
         """Become an int8 product (in place: joint products' parts keep pointing here), from
         `weight` or from this product's own bf16/float32 weight."""
-        q, scale = _quantize_rows((self.weight if weight is None else weight).astype(mx.float32))
-        self.scales = scale.reshape(-1)
-        self.weight = mx.array(_dnnl.pack(np.asarray(q)))  # type: ignore[union-attr]
+        w = (self.weight if weight is None else weight).astype(mx.float32)
+        q, scale = _quantize_rows(np.asarray(w))
+        del w
+        self.scales = mx.array(scale.reshape(-1))
+        self.weight = mx.array(_dnnl.pack(q))  # type: ignore[union-attr]
         self._dtype = _S8
         self._pointers()
 
@@ -566,19 +598,22 @@ class KernelLinear(nn.Module):
     def first_rows(self, x: mx.array, N: int) -> mx.array:
         """The outputs of W's first N rows only (a truncated-vocabulary head): a row-major
         (N, K) matrix's first rows are a prefix of its buffer (not an int8 one's)."""
+        small = self.get("_int8_rows")  # an int8 draft's head (`_draft_head`)
+        if small is not None and N == small.out_features:
+            return small(x)
         K = self.in_features
         lead = x.shape[:-1]
         rows = x.reshape(-1, K)
-        scale = None
-        if self._dtype == _S8:
-            assert N == self.out_features, "an int8 matrix's rows are not a prefix of its buffer"
-            rows, scale = _quantize_rows(rows.astype(mx.float32))
-        elif self._dtype == _BF16:
+        if self._dtype == _BF16:
             rows = rows.astype(mx.bfloat16).view(mx.uint16)
         elif rows.dtype != mx.float32:
             rows = rows.astype(mx.float32)
         mx.eval(rows)
         src = np.asarray(rows)
+        scale = None
+        if self._dtype == _S8:  # rounded in numpy: a handful of MLX ops less per product
+            assert N == self.out_features, "an int8 matrix's rows are not a prefix of its buffer"
+            src, scale = _quantize_rows(src)
         M = src.shape[0]
         # int8: the bias is added after scaling (oneDNN would add it to the integer sums)
         fused_bias = self._np_bias is not None and scale is None
@@ -587,7 +622,7 @@ class KernelLinear(nn.Module):
             plan = _dnnl.plan(K, N, self._dtype, fused_bias, ROWS, self.threads)  # type: ignore[union-attr]
             plan.src[:M] = src
             plan.run(self._weight_ptr, bias_ptr)
-            out = mx.array(plan.dst[:M])
+            full = plan.dst[:M]
         else:
             plan = _dnnl.plan(K, N, self._dtype, fused_bias, PREFILL_ROWS, self.threads)  # type: ignore[union-attr]
             full = np.empty((M, N), np.float32)
@@ -596,21 +631,20 @@ class KernelLinear(nn.Module):
                 plan.src[:n] = src[i : i + n]
                 plan.run(self._weight_ptr, bias_ptr)
                 full[i : i + n] = plan.dst[:n]
-            out = mx.array(full)
-        if scale is not None:
-            out = out * self.scales * scale
+        if scale is not None:  # the int32 sums scaled back (in numpy, as the rounding)
+            full = full * self._np_scales * scale
             if self._np_bias is not None:
-                out = out + self.bias
-        out = out.reshape(*lead, N)
+                full += self._np_bias
+        out = mx.array(full).reshape(*lead, N)  # a copy: the plan's buffer is reused
         return out if x.dtype == mx.float32 else out.astype(x.dtype)
 
 
-def _quantize_rows(rows: mx.array) -> tuple[mx.array, mx.array]:
-    """Each row of a (M, K) float32 matrix as int8 with its own scale, its largest magnitude
-    mapping to 127: a weight's rows at load, a pass's input rows at run time (row by row, so a
-    row's values do not depend on the other rows of the pass)."""
-    scale = mx.maximum(mx.abs(rows).max(axis=1, keepdims=True), 1e-30) / 127.0
-    return mx.round(rows / scale).astype(mx.int8), scale
+def _quantize_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of a (M, K) float32 matrix as int8 with its own scale (shape (M, 1)), its largest
+    magnitude mapping to 127: a weight's rows at load, a pass's input rows at run time (row by
+    row, so a row's values do not depend on the other rows of the pass)."""
+    scale = np.maximum(np.abs(rows).max(axis=1, keepdims=True), np.float32(1e-30)) / np.float32(127)
+    return np.rint(rows / scale).astype(np.int8), scale
 
 
 class KernelPart(nn.Module):
@@ -731,13 +765,16 @@ def batch_invariant(model: nn.Module) -> bool:
     )
 
 
-def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
+def serve(
+    model: nn.Module, kind: str | None = None, threads: int = 0, *, draft: bool = False
+) -> str:
     """Swap the linear products of an MLX transformer (`models.transformer.Model`) for the CPU
     kernel where it serves this machine; returns the kind in use (`mlx`: nothing changed).
 
     Only float32 layers (or bfloat16 ones rounded by the loader, `weight_dtype`) are swapped:
     quantized ones keep MLX's quantized products. threads: OpenMP threads per product (0:
-    `default_threads()`)."""
+    `default_threads()`). draft: the model only drafts (an int8 draft's head too is int8, over
+    its first `DRAFT_VOCAB` ids: see "The draft's head" above)."""
     kind = kind or choice()
     if kind == "mlx":
         return kind
@@ -746,6 +783,8 @@ def serve(model: nn.Module, kind: str | None = None, threads: int = 0) -> str:
     _swap(model, "bf16" if kind == "int8" else kind, threads)
     if kind == "int8" and serves(model):
         _to_int8(model)
+        if draft:
+            _draft_head(model)
     return kind
 
 
@@ -814,6 +853,28 @@ def _to_int8(model: nn.Module) -> None:
     for m in layers:
         m.to_int8()
         _release()
+
+
+def _draft_head(model: nn.Module) -> None:
+    """An int8 draft's head: int8 products over the first `DRAFT_VOCAB` token ids (or those its
+    config already names, `draft_vocab_size`), which become the draft's vocabulary. Untied, it
+    replaces the bf16 head; tied, the bf16 embedding stays for the lookups and the head is kept
+    beside it (`_int8_rows`, not a parameter: the model's own weights are unchanged)."""
+    cfg = model.config  # type: ignore[union-attr]
+    rows = min(cfg.draft_vocab_size or cfg.vocab_size, DRAFT_VOCAB, cfg.vocab_size)
+    tied = cfg.tie_word_embeddings
+    head = model.model.embed_tokens if tied else model.lm_head  # type: ignore[union-attr]
+    if not isinstance(head, KernelLinear) or head._dtype != _BF16:
+        return
+    small = KernelLinear(head.weight[:rows], head.get("bias", None), "int8")
+    small.threads = head.threads
+    if rows < cfg.vocab_size:
+        cfg.draft_vocab_size = rows
+    if tied:
+        head._int8_rows = small
+    else:
+        model.lm_head = small  # type: ignore[union-attr]
+    _release()
 
 
 def _release() -> None:
