@@ -58,8 +58,8 @@ The draft's head: a draft's head is about a quarter of its step (the 0.5B draft'
 65,536 ids hold 98.9% of the default verifier's tokens on Spec-Bench dev (32,768: 96%). The
 draft then scores only those ids (its `draft_vocab_size`, as a distilled FR-Spec draft's); a
 token past them is one the draft never proposes, which the verifier's own rule takes from its
-residual: the output is exactly the verifier's either way. Measured: the 0.5B draft's step 64 ms
-with its bf16 head, 52 ms with this one (docs/benchmarks.md, "Issue 26, session 5").
+residual: the output is exactly the verifier's either way. Measured: the 0.5B draft's step 63 ms
+with its bf16 head, 50 ms with this one (docs/benchmarks.md, "Issue 26, session 5").
 
 `ONDEVICE_KERNEL` chooses: `auto` (the default: bf16 where the CPU has AVX512-BF16, else
 float32, and an int8 draft as above; MLX's own products where oneDNN cannot be loaded), `bf16`,
