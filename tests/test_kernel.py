@@ -384,7 +384,7 @@ def test_an_int8_drafts_head_scores_only_its_first_ids_in_int8(tmp_path, monkeyp
     model = loaded.model
     assert model.config.draft_vocab_size == 60 < vocab
     head = model.model.embed_tokens if tie else model.lm_head
-    small = head.get("_int8_rows") if tie else head
+    small = head.int8_rows
     assert small.out_features == 60 and small._dtype == kernel._S8
     logits = model(mx.array([5, 9, 14]))
     assert logits.shape == (1, 3, 60)
@@ -392,9 +392,15 @@ def test_an_int8_drafts_head_scores_only_its_first_ids_in_int8(tmp_path, monkeyp
     full = ref(mx.array([5, 9, 14]))[..., :60]
     assert np.allclose(np.array(logits), np.array(full), atol=0.1 * float(mx.abs(full).max()))
     assert not np.array_equal(np.array(logits), np.array(full))  # rounded: not the bf16 head's
+    served = _served(path, "int8")
+    at = "model.embed_tokens" if tie else "lm_head"
     names = {k for k, _ in tree_flatten(model.parameters())}
-    int8 = {k for k, _ in tree_flatten(_served(path, "int8").parameters())}
-    assert names == int8 | (set() if tie else {"lm_head.scales"})
+    int8 = {k for k, _ in tree_flatten(served.parameters())}
+    assert names == int8 | {f"{at}.int8_rows.weight", f"{at}.int8_rows.scales"}
+    # tools that read the model's own layout (mlx-lm) get the model's own weights
+    plain = kernel.plain_parameters(model)
+    assert set(plain) == set(kernel.plain_parameters(served))
+    assert plain[f"{at}.weight"].shape == (vocab, model.config.hidden_size)
 
 
 @pytest.mark.skipif("int8" not in KINDS, reason="int8 is tested where the CPU has bf16 and int8")

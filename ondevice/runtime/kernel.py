@@ -598,7 +598,7 @@ class KernelLinear(nn.Module):
     def first_rows(self, x: mx.array, N: int) -> mx.array:
         """The outputs of W's first N rows only (a truncated-vocabulary head): a row-major
         (N, K) matrix's first rows are a prefix of its buffer (not an int8 one's)."""
-        small = self.get("_int8_rows")  # an int8 draft's head (`_draft_head`)
+        small = self.get("int8_rows")  # an int8 draft's head (`_draft_head`)
         if small is not None and N == small.out_features:
             return small(x)
         K = self.in_features
@@ -707,9 +707,15 @@ def plain_parameters(model: nn.Module) -> dict[str, mx.array]:
     parts and the kernel's bf16 weights widened to float32 (exactly): the very values it
     computes with, in the layout and precision MLX's own CPU products take. Any other model's
     parameters are its own."""
-    out = {k: v for k, v in tree_flatten(model.parameters()) if ".joint." not in k}
+
+    def kernels_own(
+        path: str,
+    ) -> bool:  # a joint product (`KernelPart`, split below), a draft's head
+        return any(part in ("joint", "_joint", "int8_rows") for part in path.split("."))
+
+    out = {k: v for k, v in tree_flatten(model.parameters()) if not kernels_own(k)}
     for path, m in model.named_modules():
-        if path.endswith("joint"):  # a joint product (`KernelPart`), split below
+        if kernels_own(path):
             continue
         if isinstance(m, KernelPart):
             j = m._joint
@@ -857,23 +863,19 @@ def _to_int8(model: nn.Module) -> None:
 
 def _draft_head(model: nn.Module) -> None:
     """An int8 draft's head: int8 products over the first `DRAFT_VOCAB` token ids (or those its
-    config already names, `draft_vocab_size`), which become the draft's vocabulary. Untied, it
-    replaces the bf16 head; tied, the bf16 embedding stays for the lookups and the head is kept
-    beside it (`_int8_rows`, not a parameter: the model's own weights are unchanged)."""
+    config already names, `draft_vocab_size`), which become the draft's vocabulary. It is kept
+    beside the bf16 head (`int8_rows`), which stays the model's own parameter (and, tied, its
+    embedding, looked up by row); `plain_parameters` leaves it out."""
     cfg = model.config  # type: ignore[union-attr]
     rows = min(cfg.draft_vocab_size or cfg.vocab_size, DRAFT_VOCAB, cfg.vocab_size)
-    tied = cfg.tie_word_embeddings
-    head = model.model.embed_tokens if tied else model.lm_head  # type: ignore[union-attr]
+    head = model.model.embed_tokens if cfg.tie_word_embeddings else model.lm_head  # type: ignore[union-attr]
     if not isinstance(head, KernelLinear) or head._dtype != _BF16:
         return
     small = KernelLinear(head.weight[:rows], head.get("bias", None), "int8")
     small.threads = head.threads
     if rows < cfg.vocab_size:
         cfg.draft_vocab_size = rows
-    if tied:
-        head._int8_rows = small
-    else:
-        model.lm_head = small  # type: ignore[union-attr]
+    head.int8_rows = small
     _release()
 
 
