@@ -708,9 +708,8 @@ def plain_parameters(model: nn.Module) -> dict[str, mx.array]:
     computes with, in the layout and precision MLX's own CPU products take. Any other model's
     parameters are its own."""
 
-    def kernels_own(
-        path: str,
-    ) -> bool:  # a joint product (`KernelPart`, split below), a draft's head
+    def kernels_own(path: str) -> bool:
+        """A joint product (`KernelPart`, split below) or a draft's int8 head (`_draft_head`)."""
         return any(part in ("joint", "_joint", "int8_rows") for part in path.split("."))
 
     out = {k: v for k, v in tree_flatten(model.parameters()) if not kernels_own(k)}
