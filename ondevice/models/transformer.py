@@ -164,6 +164,11 @@ class Model(nn.Module):
     def layers(self) -> list[Block]:
         return self.model.layers
 
+    @property
+    def head(self) -> nn.Module:
+        """The output matrix's module: `lm_head`, or the embedding where the two are tied."""
+        return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+
     def make_cache(self) -> KVCache:
         return KVCache(len(self.model.layers))
 
@@ -198,11 +203,7 @@ class Model(nn.Module):
         h = self.model.norm(h[:, -1:] if last_only else h)
         rows = self.config.draft_vocab_size
         if rows and rows < self.config.vocab_size:
-            logits = _head_rows(
-                self.lm_head if not self.config.tie_word_embeddings else self.model.embed_tokens,
-                h,
-                rows,
-            )
+            logits = _head_rows(self.head, h, rows)
         elif self.config.tie_word_embeddings:
             logits = self.model.embed_tokens.as_linear(h)
         else:

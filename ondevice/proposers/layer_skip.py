@@ -98,8 +98,7 @@ def draft_fraction(model: Model, skip: Sequence[int]) -> float:
     """A draft pass's cost as a share of a verifier pass: the share of weights it reads (the
     layers it keeps and the output head; a pass over a few tokens is bound by reading them)."""
     layers = [_size(layer) for layer in model.layers]
-    head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
-    h = _size(head)
+    h = _size(model.head)
     kept = sum(s for i, s in enumerate(layers) if i not in set(skip))
     return (kept + h) / (sum(layers) + h)
 

@@ -73,15 +73,10 @@ class MedusaHeads(nn.Module):
         return mx.stack([h + nn.silu(head(h)) for head in self.heads], axis=-2)
 
 
-def output_layer(model: Model) -> nn.Module:
-    """The verifier's output matrix (tied embeddings or its own LM head)."""
-    return model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
-
-
 def head_logits(model: Model, states: mx.array, vocab_subset: int) -> mx.array:
     """Logits over the first `vocab_subset` ids of the verifier's output layer for `states`
     (..., d) (the heads' outputs): the rows of the matrix are independent, so this is exact."""
-    return _head_rows(output_layer(model), states, vocab_subset)
+    return _head_rows(model.head, states, vocab_subset)
 
 
 def verifier_fingerprint(model: Model) -> str:

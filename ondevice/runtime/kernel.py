@@ -436,11 +436,17 @@ def _usable_cores() -> int:
     return max(1, len(usable) if usable else (os.cpu_count() or 1))
 
 
-def choice() -> str:
-    """What serves the linear products on this machine: `bf16`, `f32` (oneDNN) or `mlx`."""
+def _asked() -> str:
+    """The kind `ONDEVICE_KERNEL` asks for (`DEFAULT` when unset), checked."""
     want = os.environ.get(ENV, DEFAULT).strip().lower() or DEFAULT
     if want not in CHOICES:
         raise ValueError(f"{ENV}={want!r}: choose one of {', '.join(CHOICES)}.")
+    return want
+
+
+def choice() -> str:
+    """What serves the linear products on this machine: `bf16`, `f32` (oneDNN) or `mlx`."""
+    want = _asked()
     if want == "mlx" or mx.default_device() != mx.cpu or _open() is None:
         return "mlx"
     if want == "auto":
@@ -453,8 +459,7 @@ def draft_choice() -> str:
     and the CPU has int8 dot products (see "int8" above); a kind named in `ONDEVICE_KERNEL`
     serves both models."""
     kind = choice()
-    asked = os.environ.get(ENV, DEFAULT).strip().lower() or DEFAULT
-    return "int8" if asked == "auto" and kind == "bf16" and cpu_has_int8() else kind
+    return "int8" if _asked() == "auto" and kind == "bf16" and cpu_has_int8() else kind
 
 
 def status() -> dict[str, Any]:
@@ -463,8 +468,7 @@ def status() -> dict[str, Any]:
     kind = choice()
     out: dict[str, Any] = {"kernel": kind, "env": os.environ.get(ENV)}
     if kind == "mlx":
-        asked = os.environ.get(ENV, "").strip().lower()
-        if asked == "mlx":
+        if _asked() == "mlx":
             out["reason"] = f"{ENV}=mlx"
         elif mx.default_device() != mx.cpu:
             out["reason"] = "MLX runs on the GPU"
@@ -846,7 +850,7 @@ def _to_int8(model: nn.Module) -> None:
     """Turn a bf16-served model's layers into int8 products. The head and the embedding stay
     bf16: the head's products are the logits themselves, a truncated head reads a prefix of its
     rows (not one of a packed matrix), and the embedding is looked up row by row."""
-    head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head  # type: ignore[union-attr]
+    head = model.head  # type: ignore[union-attr]
     layers = {  # by identity: a joint product is reached through each of its parts
         id(m): m
         for _, m in model.named_modules()
@@ -867,7 +871,7 @@ def _draft_head(model: nn.Module) -> None:
     embedding, looked up by row); `plain_parameters` leaves it out."""
     cfg = model.config  # type: ignore[union-attr]
     rows = min(cfg.draft_vocab_size or cfg.vocab_size, DRAFT_VOCAB, cfg.vocab_size)
-    head = model.model.embed_tokens if cfg.tie_word_embeddings else model.lm_head  # type: ignore[union-attr]
+    head = model.head  # type: ignore[union-attr]
     if not isinstance(head, KernelLinear) or head._dtype != _BF16:
         return
     small = KernelLinear(head.weight[:rows], head.get("bias", None), "int8")
