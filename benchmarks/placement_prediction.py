@@ -51,7 +51,7 @@ from ondevice.models.config import ModelConfig
 from ondevice.models.transformer import Model
 from ondevice.models.weights import _quantize
 from ondevice.proposers.layer_skip import draft_fraction, scaled_profile
-from ondevice.proposers.medusa import MedusaHeads, output_layer
+from ondevice.proposers.medusa import MedusaHeads
 from ondevice.runtime.memory import param_bytes
 from ondevice.runtime.pass_costs import CostProfile, best_rate
 from ondevice.runtime.placement import Placement, candidates, choose
@@ -125,7 +125,7 @@ def pass_bytes(model: Model, head_rows: int | None = None) -> float:
     if not model.config.tie_word_embeddings:
         total -= param_bytes(model.model.embed_tokens)
     if head_rows is not None:
-        total -= param_bytes(output_layer(model)) * (1 - head_rows / model.config.vocab_size)
+        total -= param_bytes(model.head) * (1 - head_rows / model.config.vocab_size)
     return float(total)
 
 
@@ -194,7 +194,7 @@ def medusa_heads_seconds(mac: Mac, verifier: Model, num_heads: int = 4) -> float
     """The heads' own GPU pass after each verification: the heads (float32, as
     `medusa.load_heads` holds them) and the verifier's output rows for their subset."""
     heads = param_bytes(MedusaHeads(verifier.config.hidden_size, num_heads))
-    rows = param_bytes(output_layer(verifier)) * MEDUSA_VOCAB / verifier.config.vocab_size
+    rows = param_bytes(verifier.head) * MEDUSA_VOCAB / verifier.config.vocab_size
     return mac.gpu_seconds(heads + rows)
 
 

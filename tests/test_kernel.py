@@ -365,8 +365,7 @@ def test_a_bfloat16_checkpoint_keeps_mlxs_products(tmp_path):
 def test_an_int8_models_profiles_are_named_by_its_layers(tmp_path, tie):
     """Its head (untied or tied) stays bf16; its pass costs are int8 layers' costs."""
     model = _served(tiny.write_model(tmp_path / "m", tie=tie, scale=1.5), "int8")
-    head = model.model.embed_tokens if tie else model.lm_head
-    assert head.weight.dtype == mx.bfloat16
+    assert model.head.weight.dtype == mx.bfloat16
     assert kernel.products(model) == f"onednn-int8 x{kernel.default_threads()}"
 
 
@@ -383,8 +382,7 @@ def test_an_int8_drafts_head_scores_only_its_first_ids_in_int8(tmp_path, monkeyp
     kernel.serve(loaded.model, "int8", draft=True)
     model = loaded.model
     assert model.config.draft_vocab_size == 60 < vocab
-    head = model.model.embed_tokens if tie else model.lm_head
-    small = head.int8_rows
+    small = model.head.int8_rows
     assert small.out_features == 60 and small._dtype == kernel._S8
     logits = model(mx.array([5, 9, 14]))
     assert logits.shape == (1, 3, 60)
