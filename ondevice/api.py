@@ -748,9 +748,7 @@ def load(
     if dequantize:  # MLX on the CPU: its float32 linear products go to the CPU kernel
         from ondevice.runtime import kernel
 
-        kernel.serve(pair.verifier.model)
-        if pair.draft is not None:  # a draft's rounding changes no output token
-            kernel.serve(pair.draft.model, kernel.draft_choice(), draft=True)
+        kernel.serve_pair(pair.verifier.model, pair.draft.model if pair.draft else None)
     if heads is not None:
         from ondevice.proposers.medusa import check_heads
 

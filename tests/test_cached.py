@@ -122,3 +122,42 @@ def test_serve_reports_a_busy_port_before_loading_the_model(pair, capsys):
     err = capsys.readouterr().err
     assert f"port {port} on 127.0.0.1 is in use" in err and "--port" in err
     assert "loading" not in err  # nothing was loaded
+
+
+def test_the_recorded_acceptance_is_what_a_load_of_the_bundle_measures(bundle):
+    """On a CPU the conversion measures the pair's acceptance with the models as
+    `ondevice.load` serves the bundle (dequantized, products through the CPU kernel where it
+    serves), not with the models as read (MLX's quantized CPU products took over 15 minutes
+    for the default pair): the record is what later runs' acceptance is judged against."""
+    import ondevice
+    from ondevice.convert.acceptance import domain_prompts, measure
+    from ondevice.runtime import kernel
+
+    gen = ondevice.load(bundle, draft_backend="mlx")
+    verifier, draft = gen._pair.verifier, gen._pair.draft
+    assert kernel.serves(verifier.model) == kernel.serves(draft.model) == kernel.available()
+    recorded = json.loads((bundle / "manifest.json").read_text())["acceptance"]["domains"]
+    again = measure(
+        verifier.model,
+        draft.model,
+        domain_prompts(verifier.tokenizer),
+        8,
+        eos_token_ids=sorted(verifier.tokenizer.eos_token_ids),
+    )["domains"]
+    assert again == recorded
+
+
+def test_the_conversion_measures_acceptance_with_served_models(pair, tmp_path, monkeypatch):
+    from ondevice.convert import acceptance
+    from ondevice.runtime import kernel
+
+    seen = []
+    measure = acceptance.measure
+
+    def spy(verifier, draft, *args, **kwargs):
+        seen.append((kernel.serves(verifier), kernel.serves(draft)))
+        return measure(verifier, draft, *args, **kwargs)
+
+    monkeypatch.setattr(acceptance, "measure", spy)
+    assert _convert(pair, tmp_path / "served") == 0
+    assert seen == [(kernel.available(), kernel.available())]

@@ -364,15 +364,18 @@ def _load_pair(args: argparse.Namespace, phases: Phases) -> tuple[Any, Any]:
     return verifier, draft
 
 
-def _measure_acceptance(args: argparse.Namespace, verifier: Any, draft: Any) -> dict | None:
+def _measure_acceptance(
+    args: argparse.Namespace, verifier: Any, draft: Any, tmp: Path
+) -> dict | None:
     """The pair's greedy acceptance per domain (`convert.acceptance`), or None if skipped."""
     if not args.acceptance_tokens:
         return None
     from ondevice.convert.acceptance import domain_prompts, measure
 
     prompts = domain_prompts(verifier.tokenizer)
+    v, d = _served_as_loaded(verifier.model, draft.model, tmp)
     record = measure(
-        verifier.model, draft.model, prompts, args.acceptance_tokens,
+        v, d, prompts, args.acceptance_tokens,
         eos_token_ids=sorted(verifier.tokenizer.eos_token_ids),
     )  # fmt: skip
     rates = ", ".join(
@@ -381,6 +384,25 @@ def _measure_acceptance(args: argparse.Namespace, verifier: Any, draft: Any) -> 
     )
     print(f"      acceptance per domain: {rates}", file=sys.stderr, flush=True)
     return record
+
+
+def _served_as_loaded(verifier: Any, draft: Any, tmp: Path) -> tuple[Any, Any]:
+    """The models as `ondevice.load` will serve the bundle's written MLX folders in `tmp`: on a
+    CPU, dequantized with their products through the CPU kernel (MLX's quantized products on a
+    CPU made the acceptance phase alone take over 15 minutes on a 2-core VM), so the record is
+    also what later runs' acceptance is judged against; elsewhere the models as loaded."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return verifier, draft
+    from ondevice.models import load_model
+    from ondevice.runtime import kernel
+
+    opts = {"dequantize": True, "product_dtype": kernel.weight_dtype()}
+    v = load_model(tmp / "verifier", **opts).model
+    d = load_model(tmp / "draft" / "mlx", **opts).model
+    kernel.serve_pair(v, d)
+    return v, d
 
 
 def _write_bundle(
@@ -404,7 +426,7 @@ def _write_bundle(
     ):
         description = _convert_draft(args, draft, tmp / "draft" / "draft.mlpackage")
     with phases(f"measuring the pair's acceptance per domain ({args.acceptance_tokens} tokens)"):
-        acceptance = _measure_acceptance(args, verifier, draft)
+        acceptance = _measure_acceptance(args, verifier, draft, tmp)
     with phases("writing tokenizer"):
         verifier.tokenizer.save(tmp / "tokenizer")
     with phases("computing checksums"):

@@ -797,6 +797,14 @@ def serve(
     return kind
 
 
+def serve_pair(verifier: nn.Module, draft: nn.Module | None) -> None:
+    """Serve a verifier and its draft as `ondevice.load` does on the CPU: the verifier by
+    `choice()`, the draft by `draft_choice()` (a draft's rounding changes no output token)."""
+    serve(verifier)
+    if draft is not None:
+        serve(draft, draft_choice(), draft=True)
+
+
 def _swap(model: nn.Module, kind: str, threads: int) -> None:
     """`serve`'s swap of every product for a `KernelLinear` of `kind` (bf16 or f32)."""
     # float32 weights, or bfloat16 ones the loader rounded for this kernel (`weight_dtype`) in a
