@@ -221,12 +221,13 @@ def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, 
     threads = kernel.default_threads()
     want = "int8" if kernel.choice() == "bf16" and kernel.cpu_has_int8() else kernel.choice()
     assert kernel.draft_choice() == want
-    assert kernel.products(verifier) == f"onednn-{kernel.choice()} x{threads}"
+    blocked = "-blocked" if kernel.choice() == "bf16" else ""  # its layers' weights (`pack`)
+    assert kernel.products(verifier) == f"onednn-{kernel.choice()}{blocked} x{threads}"
     assert kernel.products(draft) == f"onednn-{want} x{threads}"
     monkeypatch.setenv(kernel.ENV, kernel.choice())
     gen = ondevice.load(*served_pair)
     for model in (gen._pair.verifier.model, gen._pair.draft.model):
-        assert kernel.products(model) == f"onednn-{kernel.choice()} x{threads}"
+        assert kernel.products(model) == f"onednn-{kernel.choice()}{blocked} x{threads}"
     monkeypatch.setenv(kernel.ENV, "mlx")
     gen = ondevice.load(*served_pair)
     assert type(gen._pair.verifier.model.layers[0].self_attn.q_proj) is nn.Linear
@@ -367,6 +368,21 @@ def test_an_int8_models_profiles_are_named_by_its_layers(tmp_path, tie):
     model = _served(tiny.write_model(tmp_path / "m", tie=tie, scale=1.5), "int8")
     assert model.head.weight.dtype == mx.bfloat16
     assert kernel.products(model) == f"onednn-int8 x{kernel.default_threads()}"
+
+
+@pytest.mark.skipif("bf16" not in KINDS, reason="no bf16 dot products on this CPU")
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_bf16_models_layers_are_blocked_and_its_head_is_not(tmp_path, tie):
+    """Layer weights reordered once into oneDNN's blocked layout (flat buffers; their values
+    are checked by the plain-parameters test); the head stays row-major, since a truncated head
+    reads a prefix of its rows; profiles name the blocked kernel, so older ones are remeasured."""
+    model = _served(tiny.write_model(tmp_path / "m", tie=tie, scale=1.5), "bf16")
+    layers = kernel._layer_products(model)
+    assert layers and all(m._packed and m.weight.ndim == 1 for m in layers)
+    assert not model.head._packed and model.head.weight.ndim == 2
+    assert kernel.products(model) == f"onednn-bf16-blocked x{kernel.default_threads()}"
+    rows = model.head.first_rows(mx.ones((1, 2, model.config.hidden_size)), 7)
+    assert rows.shape == (1, 2, 7)
 
 
 @pytest.mark.skipif("int8" not in KINDS, reason="int8 is tested where the CPU has bf16 and int8")

@@ -14,6 +14,11 @@ product in oneDNN on the same buffers and hands the result back to MLX. Products
 their input (q/k/v, gate/up) become one (`KernelPart`), so a pass makes four a layer plus the
 head; the glue still avoids per-product work: weights are converted once at load, one
 primitive is built per (K, N) and reused, and each thread keeps fixed input/output buffers.
+The layers' weights are reordered once, at load, into the blocked layout oneDNN's matmul
+prefers (`_OneDNN.pack`; bf16 and int8 alike): read in MLX's row-major layout, oneDNN reorders
+blocks on every call, which made a bf16 product of an 8960 x 1536 weight take 2.13 ms instead
+of 1.12 ms on the AMD Zen VMs here (the int8 one a quarter more on Intel). The head and the
+embedding stay row-major (`_layer_products`).
 
 Threads: oneDNN runs on OpenMP (libgomp). Each product runs on as many threads as the process
 may use (its CPU affinity) unless `ONDEVICE_KERNEL_THREADS` says otherwise: a one-token product
@@ -39,9 +44,7 @@ and the embedding to bfloat16 as it reads it (models/weights.py), so no float32 
 model exists; an untied embedding's looked-up rows are widened to float32 (`KernelEmbedding`).
 
 int8: each weight row is rounded to int8 with its own scale (its largest magnitude maps to 127)
-and reordered once, at load, into the blocked layout oneDNN's matmul prefers (`_OneDNN.pack`;
-read in MLX's row-major layout, int8 products lose a quarter of their speed to reordering
-blocks on every call). Each input row is rounded the same way at run time, the products sum
+and reordered once, at load, into the blocked layout (above). Each input row is rounded the same way at run time, the products sum
 in int32 and the result is scaled back. Integer sums are exact, so any blocking gives the same
 rows: int8 is batch-invariant by construction. A one-token pass reads half the bytes of bf16's,
 but rounding every input row to 256 levels moves a model's distribution further from its
@@ -110,6 +113,7 @@ _CPU = 1  # dnnl_cpu
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS = 1, 17, 33, 41
 _QUERY_IMPL_INFO = 8  # dnnl_query_impl_info_str
 _QUERY_WEIGHTS_MD = 131  # dnnl_query_weights_md
+_NP_KINDS = {np.int8: _S8, np.uint16: _BF16}  # a packed weight's numpy dtype (bf16 as uint16)
 _Dims = ctypes.c_int64 * 12  # dnnl_dims_t
 
 
@@ -360,37 +364,47 @@ class _OneDNN:
             raise RuntimeError(f"oneDNN reorder failed (status {status})")
 
     def pack(self, weight: np.ndarray) -> np.ndarray:
-        """A row-major (N, K) int8 weight in `packed_layout` (a flat buffer)."""
+        """A row-major (N, K) int8 or bf16 (as uint16) weight in `packed_layout` (flat)."""
         N, K = weight.shape
-        layout = self.packed_layout(K, N, _S8)
-        out = np.empty(self.lib.dnnl_memory_desc_get_size(layout), np.int8)
-        plain = self.md((K, N), _S8, (1, K))
+        dtype = _NP_KINDS[weight.dtype.type]
+        layout = self.packed_layout(K, N, dtype)
+        size = self.lib.dnnl_memory_desc_get_size(layout) // weight.itemsize
+        out = np.empty(size, weight.dtype)
+        plain = self.md((K, N), dtype, (1, K))
         self.reorder(plain, np.ascontiguousarray(weight), layout, out)
         self.lib.dnnl_memory_desc_destroy(plain)
         return out
 
     def unpack(self, packed: np.ndarray, N: int, K: int) -> np.ndarray:
-        """`pack`'s inverse: the row-major (N, K) int8 weight."""
-        out = np.empty((N, K), np.int8)
-        plain = self.md((K, N), _S8, (1, K))
-        self.reorder(self.packed_layout(K, N, _S8), packed, plain, out)
+        """`pack`'s inverse: the row-major (N, K) weight."""
+        dtype = _NP_KINDS[packed.dtype.type]
+        out = np.empty((N, K), packed.dtype)
+        plain = self.md((K, N), dtype, (1, K))
+        self.reorder(self.packed_layout(K, N, dtype), packed, plain, out)
         self.lib.dnnl_memory_desc_destroy(plain)
         return out
 
     def plan(
-        self, K: int, N: int, dtype: int, bias: bool, rows: int = ROWS, threads: int = 0
+        self,
+        K: int,
+        N: int,
+        dtype: int,
+        bias: bool,
+        rows: int = ROWS,
+        threads: int = 0,
+        packed: bool = False,
     ) -> _Plan:
-        """The plan of a product (threads: 0 = `default_threads()`); int8 weights are read in
-        `packed_layout`, the others in MLX's row-major layout."""
+        """The plan of a product (threads: 0 = `default_threads()`) whose weights are read in
+        `packed_layout` (`packed`) or in MLX's row-major layout."""
         if threads <= 0:
             threads = default_threads()
         plans = getattr(self._local, "plans", None)
         if plans is None:
             plans = self._local.plans = {}
-        key = (K, N, dtype, bias, rows, threads)
+        key = (K, N, dtype, bias, rows, threads, packed)
         p = plans.get(key)
         if p is None:
-            layout = self.packed_layout(K, N, dtype) if dtype == _S8 else None
+            layout = self.packed_layout(K, N, dtype) if packed else None
             p = plans[key] = _Plan(self, K, N, dtype, bias, rows, threads, layout)
         return p
 
@@ -542,11 +556,29 @@ def attention(
     return out.transpose(0, 1, 3, 2, 4).reshape(B, H, L, Dv)
 
 
+def silu_gate(gate: mx.array, up: mx.array) -> mx.array:
+    """`transformer.silu_gate` in numpy, on the products' evaluated outputs (`KernelPart`):
+    MLX's CPU sigmoid took 3.2 ms a layer over 16 tokens of the 1.5B verifier (8,960 wide) on
+    the AMD VMs here, and numpy needs no MLX op (none wakes MLX's stream thread). Elementwise,
+    so a row's values do not depend on the pass size."""
+    g, u = np.asarray(gate), np.asarray(up)
+    e = np.negative(g)
+    with np.errstate(over="ignore"):  # exp(-g) = inf: silu(g) = -0.0, as it should
+        np.exp(e, out=e)
+    e += 1
+    out = g * u
+    out /= e
+    return mx.array(out)
+
+
 class KernelLinear(nn.Module):
     """`y = x @ W.T (+ b)` by oneDNN; W kept in the kernel's dtype (bf16, int8 or float32).
 
     bf16/float32: `weight` stays an MLX array of shape (N, K), like nn.Linear's, so the module
-    tree still holds the model's parameters; the kernel reads its buffer in place.
+    tree still holds the model's parameters; the kernel reads its buffer in place. A layer's
+    bf16 weight is then reordered once into oneDNN's blocked layout (`pack`, a flat buffer):
+    read row-major, oneDNN reorders blocks on every call, which halved bf16 products' speed on
+    the AMD Zen VMs here (docs/benchmarks.md, "Issue 26, session 6").
 
     int8 (see "int8" above): `weight` is the int8 matrix reordered once into oneDNN's blocked
     layout (`_OneDNN.pack`, a flat buffer) and `scales` its rows' scales; each input row is
@@ -566,6 +598,7 @@ class KernelLinear(nn.Module):
             self.to_int8(weight)
             return
         self._dtype = _BF16 if kind == "bf16" else _F32
+        self._packed = False
         self.weight = weight.astype(mx.bfloat16 if kind == "bf16" else mx.float32)
         self._pointers()
 
@@ -586,14 +619,25 @@ class KernelLinear(nn.Module):
         del w
         self.scales = mx.array(scale.reshape(-1))
         self.weight = mx.array(_dnnl.pack(q))  # type: ignore[union-attr]
-        self._dtype = _S8
+        self._dtype, self._packed = _S8, True
+        self._pointers()
+
+    def pack(self) -> None:
+        """Keep a bf16 weight in oneDNN's blocked layout (in place, as `to_int8`); the weight
+        becomes a flat bf16 buffer, which `dense()` reads back."""
+        if self._dtype != _BF16 or self._packed:
+            return
+        self.weight = mx.array(_dnnl.pack(self._np_weight)).view(mx.bfloat16)  # type: ignore[union-attr]
+        self._packed = True
         self._pointers()
 
     def dense(self) -> mx.array:
         """The float32 (N, K) matrix the product computes with (exactly)."""
-        if self._dtype != _S8:
+        if not self._packed:
             return self.weight.astype(mx.float32)
         q = _dnnl.unpack(self._np_weight, self.out_features, self.in_features)  # type: ignore[union-attr]
+        if self._dtype == _BF16:
+            return mx.array(q).view(mx.bfloat16).astype(mx.float32)
         return mx.array(q).astype(mx.float32) * self.scales[:, None]
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -601,34 +645,40 @@ class KernelLinear(nn.Module):
 
     def first_rows(self, x: mx.array, N: int) -> mx.array:
         """The outputs of W's first N rows only (a truncated-vocabulary head): a row-major
-        (N, K) matrix's first rows are a prefix of its buffer (not an int8 one's)."""
+        (N, K) matrix's first rows are a prefix of its buffer (not a packed one's)."""
         small = self.get("int8_rows")  # an int8 draft's head (`_draft_head`)
         if small is not None and N == small.out_features:
             return small(x)
+        out = mx.array(self.product(x, N))  # a copy: the plan's buffer is reused
+        return out if x.dtype == mx.float32 else out.astype(x.dtype)
+
+    def product(self, x: mx.array, N: int) -> np.ndarray:
+        """The product of `x` (..., K) with W's first N rows as numpy (..., N), possibly a view
+        of the plan's buffer (valid until this thread's next product of that shape).
+
+        The glue is numpy's, not MLX's: an evaluated input (an earlier product's output, the
+        MLP's gating) is read in place without waking MLX's stream thread, and the rounding of
+        the input rows (bf16: to nearest even, int8: `_quantize_rows`) costs no MLX ops."""
         K = self.in_features
         lead = x.shape[:-1]
-        rows = x.reshape(-1, K)
-        if self._dtype == _BF16:
-            rows = rows.astype(mx.bfloat16).view(mx.uint16)
-        elif rows.dtype != mx.float32:
-            rows = rows.astype(mx.float32)
-        mx.eval(rows)
-        src = np.asarray(rows)
+        src = np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32)).reshape(-1, K)
         scale = None
-        if self._dtype == _S8:  # rounded in numpy: a handful of MLX ops less per product
-            assert N == self.out_features, "an int8 matrix's rows are not a prefix of its buffer"
+        assert N == self.out_features or not self._packed, "packed rows are not a prefix"
+        if self._dtype == _BF16:
+            src = _round_bf16(src)
+        elif self._dtype == _S8:
             src, scale = _quantize_rows(src)
         M = src.shape[0]
         # int8: the bias is added after scaling (oneDNN would add it to the integer sums)
         fused_bias = self._np_bias is not None and scale is None
         bias_ptr = self._bias_ptr if fused_bias else None
+        rows = ROWS if M <= ROWS else PREFILL_ROWS
+        plan = _dnnl.plan(K, N, self._dtype, fused_bias, rows, self.threads, self._packed)  # type: ignore[union-attr]
         if M <= ROWS:
-            plan = _dnnl.plan(K, N, self._dtype, fused_bias, ROWS, self.threads)  # type: ignore[union-attr]
             plan.src[:M] = src
             plan.run(self._weight_ptr, bias_ptr)
             full = plan.dst[:M]
         else:
-            plan = _dnnl.plan(K, N, self._dtype, fused_bias, PREFILL_ROWS, self.threads)  # type: ignore[union-attr]
             full = np.empty((M, N), np.float32)
             for i in range(0, M, PREFILL_ROWS):
                 n = min(PREFILL_ROWS, M - i)
@@ -639,8 +689,17 @@ class KernelLinear(nn.Module):
             full = full * self._np_scales * scale
             if self._np_bias is not None:
                 full += self._np_bias
-        out = mx.array(full).reshape(*lead, N)  # a copy: the plan's buffer is reused
-        return out if x.dtype == mx.float32 else out.astype(x.dtype)
+        return full.reshape(*lead, N)
+
+
+def _round_bf16(rows: np.ndarray) -> np.ndarray:
+    """float32 rows rounded to bfloat16 (to nearest, ties to even), as uint16 bit patterns."""
+    u = (
+        rows.view(np.uint32)
+        if rows.flags.c_contiguous
+        else np.ascontiguousarray(rows).view(np.uint32)
+    )
+    return ((u + ((u >> 16) & 1) + 0x7FFF) >> 16).astype(np.uint16)
 
 
 def _quantize_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -665,9 +724,10 @@ class KernelPart(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         j = self._joint
-        if getattr(j, "_last_x", None) is not x:
-            j._last_x, j._last_y = x, j(x)
-        return j._last_y[..., self._lo : self._hi]
+        if getattr(j, "_last_x", None) is not x:  # a copy: the plan's buffer is reused
+            j._last_x, j._last_y = x, np.array(j.product(x, j.out_features))
+        out = mx.array(j._last_y[..., self._lo : self._hi])  # evaluated: no MLX op
+        return out if x.dtype == mx.float32 else out.astype(x.dtype)
 
 
 class KernelEmbedding(KernelLinear):
@@ -750,12 +810,16 @@ def serves(model: nn.Module) -> bool:
 
 def products(model: nn.Module) -> str:
     """Which kernel serves a model's linear products, as pass-cost profiles name it: `mlx`
-    (MLX's own, through its BLAS) or this kernel's dtype and threads (`onednn-bf16 x2`)."""
+    (MLX's own, through its BLAS) or this kernel's dtype, its weights' layout where a bf16
+    model's are blocked (`pack`: another cost, so profiles measured before are not reused) and
+    threads (`onednn-bf16-blocked x2`)."""
     served = [m for _, m in model.named_modules() if isinstance(m, KernelLinear)]
     if not served:
         return "mlx"
     dtypes = {m.weight.dtype for m in served}  # an int8 model's head and embedding stay bf16
     kind = "int8" if mx.int8 in dtypes else "bf16" if mx.bfloat16 in dtypes else "f32"
+    if kind == "bf16" and any(m._packed for m in served):
+        kind = "bf16-blocked"
     return f"onednn-{kind} x{served[0].threads or default_threads()}"
 
 
@@ -794,6 +858,8 @@ def serve(
         _to_int8(model)
         if draft:
             _draft_head(model)
+    elif kind == "bf16":
+        _pack(model)
     return kind
 
 
@@ -851,24 +917,38 @@ def _swap(model: nn.Module, kind: str, threads: int) -> None:
             m.threads = threads
         if hasattr(m, "attend"):
             m.attend = attention
+        if hasattr(m, "gating"):
+            m.gating = silu_gate
     _release()
 
 
-def _to_int8(model: nn.Module) -> None:
-    """Turn a bf16-served model's layers into int8 products. The head and the embedding stay
-    bf16: the head's products are the logits themselves, a truncated head reads a prefix of its
-    rows (not one of a packed matrix), and the embedding is looked up row by row."""
+def _layer_products(model: nn.Module) -> list[KernelLinear]:
+    """A served model's products in its layers, each once (by identity: a joint product is
+    reached through each of its parts). Not the head or the embedding: both are read by row
+    (a truncated head, a draft's or Medusa's, reads a prefix of its rows, not one of a packed
+    matrix; the embedding is looked up), and the head's products are the logits themselves."""
     head = model.head  # type: ignore[union-attr]
-    layers = {  # by identity: a joint product is reached through each of its parts
-        id(m): m
-        for _, m in model.named_modules()
-        if isinstance(m, KernelLinear)
-        and not isinstance(m, KernelEmbedding)
-        and m is not head
-        and m._dtype == _BF16
-    }.values()
-    for m in layers:
-        m.to_int8()
+    return list(
+        {
+            id(m): m
+            for _, m in model.named_modules()
+            if isinstance(m, KernelLinear) and not isinstance(m, KernelEmbedding) and m is not head
+        }.values()
+    )
+
+
+def _to_int8(model: nn.Module) -> None:
+    """Turn a bf16-served model's layers into int8 products (the head and embedding stay bf16)."""
+    for m in _layer_products(model):
+        if m._dtype == _BF16:
+            m.to_int8()
+            _release()
+
+
+def _pack(model: nn.Module) -> None:
+    """Reorder a bf16-served model's layer weights into oneDNN's blocked layout, one at a time."""
+    for m in _layer_products(model):
+        m.pack()
         _release()
 
 
