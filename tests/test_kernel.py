@@ -370,6 +370,20 @@ def test_an_int8_models_profiles_are_named_by_its_layers(tmp_path, tie):
     assert kernel.products(model) == f"onednn-int8 x{kernel.default_threads()}"
 
 
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "f32"])
+def test_a_packed_weights_padding_is_zero(kind):
+    """The blocked layout pads a weight to whole blocks. Those bytes are part of the weight's
+    buffer, which fingerprints sample: left as they were allocated, a prompt cache saved by one
+    load of a draft was refused by the next (its padding differed)."""
+    dtype = np.int8 if kind == "int8" else np.uint16
+    w = np.zeros((5, 7), dtype)
+    for _ in range(3):
+        junk = np.full(1 << 14, 0xFF, np.uint8)  # freed memory a new buffer may reuse
+        del junk
+        packed = kernel._dnnl.pack(w)
+        assert packed.size > w.size and not packed.any()
+
+
 @pytest.mark.skipif("bf16" not in KINDS, reason="no bf16 dot products on this CPU")
 @pytest.mark.parametrize("tie", [True, False])
 def test_a_bf16_models_layers_are_blocked_and_its_head_is_not(tmp_path, tie):
