@@ -127,7 +127,7 @@ def test_serve_reports_a_busy_port_before_loading_the_model(pair, capsys):
 def test_the_recorded_acceptance_is_what_a_load_of_the_bundle_measures(bundle):
     """On a CPU the conversion measures the pair's acceptance with the models as
     `ondevice.load` serves the bundle (dequantized, products through the CPU kernel where it
-    serves), not with the models as read (MLX's quantized CPU products took over 15 minutes
+    serves), not with the models as read (MLX's quantized CPU products ran for over 20 minutes
     for the default pair): the record is what later runs' acceptance is judged against."""
     import ondevice
     from ondevice.convert.acceptance import domain_prompts, measure

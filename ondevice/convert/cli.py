@@ -389,7 +389,7 @@ def _measure_acceptance(
 def _served_as_loaded(verifier: Any, draft: Any, tmp: Path) -> tuple[Any, Any]:
     """The models as `ondevice.load` will serve the bundle's written MLX folders in `tmp`: on a
     CPU, dequantized with their products through the CPU kernel (MLX's quantized products on a
-    CPU made the acceptance phase alone take over 15 minutes on a 2-core VM), so the record is
+    CPU made the acceptance phase alone run for over 20 minutes on a 2-core VM), so the record is
     also what later runs' acceptance is judged against; elsewhere the models as loaded."""
     import mlx.core as mx
 

@@ -44,16 +44,16 @@ and the embedding to bfloat16 as it reads it (models/weights.py), so no float32 
 model exists; an untied embedding's looked-up rows are widened to float32 (`KernelEmbedding`).
 
 int8: each weight row is rounded to int8 with its own scale (its largest magnitude maps to 127)
-and reordered once, at load, into the blocked layout (above). Each input row is rounded the same way at run time, the products sum
-in int32 and the result is scaled back. Integer sums are exact, so any blocking gives the same
-rows: int8 is batch-invariant by construction. A one-token pass reads half the bytes of bf16's,
-but rounding every input row to 256 levels moves a model's distribution further from its
-float32 one than bf16 does (docs/benchmarks.md, "int8"), so the verifier gets int8 only when
-asked (`ONDEVICE_KERNEL=int8`). A draft's rounding changes how often its guesses are accepted,
-never a token of the output (greedy or, with a seed, sampled: the sequential and the pipelined
-decoder agree whatever the draft computes), so by default an MLX draft gets int8 wherever the
-CPU has int8 dot products (`draft_choice`): its step costs a fifth less. The head and the
-embedding stay bf16 (`_to_int8`).
+and reordered once, at load, into the blocked layout (above). Each input row is rounded the
+same way at run time, the products sum in int32 and the result is scaled back. Integer sums are
+exact, so any blocking gives the same rows: int8 is batch-invariant by construction. A
+one-token pass reads half the bytes of bf16's, but rounding every input row to 256 levels moves
+a model's distribution further from its float32 one than bf16 does (docs/benchmarks.md,
+"int8"), so the verifier gets int8 only when asked (`ONDEVICE_KERNEL=int8`). A draft's rounding
+changes how often its guesses are accepted, never a token of the output (greedy or, with a
+seed, sampled: the sequential and the pipelined decoder agree whatever the draft computes), so
+by default an MLX draft gets int8 wherever the CPU has int8 dot products (`draft_choice`): its
+step costs a fifth less. The head and the embedding stay bf16 (`_to_int8`).
 
 The draft's head: a draft's head is about a quarter of its step (the 0.5B draft's tied head is
 151,936 x 896). An int8 draft gets an int8 head over the first `DRAFT_VOCAB` token ids only
@@ -694,11 +694,7 @@ class KernelLinear(nn.Module):
 
 def _round_bf16(rows: np.ndarray) -> np.ndarray:
     """float32 rows rounded to bfloat16 (to nearest, ties to even), as uint16 bit patterns."""
-    u = (
-        rows.view(np.uint32)
-        if rows.flags.c_contiguous
-        else np.ascontiguousarray(rows).view(np.uint32)
-    )
+    u = np.ascontiguousarray(rows).view(np.uint32)  # no copy where already contiguous
     return ((u + ((u >> 16) & 1) + 0x7FFF) >> 16).astype(np.uint16)
 
 
