@@ -221,7 +221,7 @@ def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, 
     threads = kernel.default_threads()
     want = "int8" if kernel.choice() == "bf16" and kernel.cpu_has_int8() else kernel.choice()
     assert kernel.draft_choice() == want
-    blocked = "-blocked" if kernel.choice() == "bf16" else ""  # its layers' weights (`pack`)
+    blocked = "-blocked-head" if kernel.choice() == "bf16" else ""  # its weights (`pack`)
     assert kernel.products(verifier) == f"onednn-{kernel.choice()}{blocked} x{threads}"
     assert kernel.products(draft) == f"onednn-{want} x{threads}"
     monkeypatch.setenv(kernel.ENV, kernel.choice())
@@ -364,10 +364,16 @@ def test_a_bfloat16_checkpoint_keeps_mlxs_products(tmp_path):
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_an_int8_models_profiles_are_named_by_its_layers(tmp_path, tie):
-    """Its head (untied or tied) stays bf16; its pass costs are int8 layers' costs."""
-    model = _served(tiny.write_model(tmp_path / "m", tie=tie, scale=1.5), "int8")
-    assert model.head.weight.dtype == mx.bfloat16
-    assert kernel.products(model) == f"onednn-int8 x{kernel.default_threads()}"
+    """Its head (untied or tied) stays bf16, blocked where it verifies (not a draft's, whose
+    own head is `int8_rows`); its pass costs are int8 layers' and that head's costs."""
+    path = tiny.write_model(tmp_path / "m", tie=tie, scale=1.5)
+    model = _served(path, "int8")
+    assert model.head.weight.dtype == mx.bfloat16 and model.head._packed
+    assert kernel.products(model) == f"onednn-int8-head x{kernel.default_threads()}"
+    draft = load_model(path, dequantize=True).model
+    kernel.serve(draft, "int8", draft=True)
+    assert not draft.head._packed
+    assert kernel.products(draft) == f"onednn-int8 x{kernel.default_threads()}"
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "f32"])
@@ -386,17 +392,46 @@ def test_a_packed_weights_padding_is_zero(kind):
 
 @pytest.mark.skipif("bf16" not in KINDS, reason="no bf16 dot products on this CPU")
 @pytest.mark.parametrize("tie", [True, False])
-def test_a_bf16_models_layers_are_blocked_and_its_head_is_not(tmp_path, tie):
-    """Layer weights reordered once into oneDNN's blocked layout (flat buffers; their values
-    are checked by the plain-parameters test); the head stays row-major, since a truncated head
-    reads a prefix of its rows; profiles name the blocked kernel, so older ones are remeasured."""
-    model = _served(tiny.write_model(tmp_path / "m", tie=tie, scale=1.5), "bf16")
+def test_a_bf16_models_weights_are_blocked_and_read_by_row_in_place(tmp_path, tie):
+    """Layer weights and the head (a tied embedding too) reordered once into oneDNN's blocked
+    layout (flat buffers; their values are checked by the plain-parameters test); the
+    embedding's lookups and a truncated head's first rows read the packed buffer in place and
+    give exactly what the row-major weights give; profiles name the blocked kernel, so older
+    ones are remeasured."""
+    path = tiny.write_model(tmp_path / "m", tie=tie, scale=1.5)
+    model = _served(path, "bf16")
     layers = kernel._layer_products(model)
     assert layers and all(m._packed and m.weight.ndim == 1 for m in layers)
-    assert not model.head._packed and model.head.weight.ndim == 2
-    assert kernel.products(model) == f"onednn-bf16-blocked x{kernel.default_threads()}"
-    rows = model.head.first_rows(mx.ones((1, 2, model.config.hidden_size)), 7)
-    assert rows.shape == (1, 2, 7)
+    head = model.head
+    assert head._packed and head.weight.ndim == 1
+    assert kernel.products(model) == f"onednn-bf16-blocked-head x{kernel.default_threads()}"
+    dense = head.dense()  # via oneDNN's own reorder back to row-major
+    ids = np.array([[0, 7, 3], [head.out_features - 1, 1, 7]])
+    assert np.array_equal(np.array(head.rows(ids).astype(mx.float32)), np.array(dense)[ids])
+    embedded = model.model.embed_tokens(mx.array(ids))
+    own = load_model(path, dequantize=True, product_dtype="bfloat16").model.model.embed_tokens
+    assert np.array_equal(np.array(embedded), np.array(own(mx.array(ids)).astype(mx.float32)))
+    h = mx.random.normal((1, 2, model.config.hidden_size))
+    first = model.head.first_rows(h, 7)
+    assert first.shape == (1, 2, 7)
+    full = kernel.KernelLinear.__call__(head, h)  # the logits (a tied head: `as_linear`)
+    assert np.array_equal(np.array(first), np.array(full)[..., :7])  # rows are independent
+
+
+def test_packed_offsets_read_every_element_where_onednn_put_it():
+    """`offsets` reads the blocked layout's description (strides, inner blocks); every element
+    of a packed weight is where it says, for shapes with and without whole blocks."""
+    rng = np.random.default_rng(0)
+    kinds = [(np.uint16, kernel._BF16)] if "bf16" in KINDS else []
+    kinds += [(np.int8, kernel._S8)] if "int8" in KINDS else []
+    if not kinds:
+        pytest.skip("no packed kernel on this CPU")
+    for dtype, dnnl_type in kinds:
+        for N, K in [(53, 37), (128, 64), (300, 896)]:
+            w = rng.integers(1, 100, size=(N, K)).astype(dtype)
+            packed = kernel._dnnl.pack(w)
+            by_n, by_k = kernel._dnnl.offsets(K, N, dnnl_type)
+            assert np.array_equal(packed[by_n[:, None] + by_k], w)
 
 
 @pytest.mark.skipif("int8" not in KINDS, reason="int8 is tested where the CPU has bf16 and int8")

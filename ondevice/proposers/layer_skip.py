@@ -187,9 +187,9 @@ def search_skip_set(
 
 def weights_fingerprint(model: Model) -> str:
     """What identifies a model's weights cheaply: its shapes and dtype (`engine_key`) and the
-    values of its norms and first embedding rows (a fine-tune changes them)."""
+    values of its norms and first embedding rows (a fine-tune changes them), as looked up."""
     h = hashlib.sha256(engine_key(MLXEngine(model)).encode())
-    for a in [model.model.embed_tokens.weight[:4], *norm_weights(model)]:
+    for a in [model.model.embed_tokens(mx.arange(4)), *norm_weights(model)]:
         h.update(np.array(a.astype(mx.float32)).tobytes())
     return h.hexdigest()[:16]
 

@@ -58,4 +58,6 @@ def build(res: Resources, spec: Speculation) -> HiddenHeadProposer:
     """The registry's builder: the head from the verifier's output layer (tied or not)."""
     model = res.verifier.model  # type: ignore[attr-defined]
     layer = getattr(model, "lm_head", None) or model.model.embed_tokens
-    return HiddenHeadProposer(np.array(layer.weight.astype(mx.float32)).T)  # bf16: the CPU kernel's
+    # the CPU kernel's head may be blocked (a flat buffer): `dense()` reads it back as (vocab, d)
+    weight = layer.dense() if hasattr(layer, "dense") else layer.weight
+    return HiddenHeadProposer(np.array(weight.astype(mx.float32)).T)
