@@ -567,6 +567,13 @@ def attention(
     exact in any order; its sum and the values' weighted sum are taken per block and then over
     the blocks in order, and a block past a row's last key adds exact zeros. So a row costs
     what it costs alone, and a pass over L tokens does L rows' work, not a padded pass's.
+
+    The products are MLX's (MKL's small products are fast); the masking and the softmax's
+    exponentials are numpy's, on the evaluated scores: MLX's CPU `exp` is scalar on x86
+    (about 11 ns an element here, numpy's vectorised one 0.4), which made attention over 16
+    tokens cost 2-3 ms a layer of the 1.5B verifier (docs/benchmarks.md, "Issue 26, session 7").
+    numpy's `exp` runs one vectorised loop over the contiguous scores, so an element's value
+    does not depend on where in the array it sits.
     """
     B, H, L, D = q.shape
     kv_heads, S, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -578,24 +585,28 @@ def attention(
     # (B, kv_heads, L, 1, rep, D) @ (B, kv_heads, 1, nb, D, blk): one (rep, D) x (D, blk)
     # product per token and block (MLX runs a batched product as one BLAS call per matrix)
     qs = (q * scale).reshape(B, kv_heads, rep, L, D).transpose(0, 1, 3, 2, 4)[:, :, :, None]
-    s = qs @ k.reshape(B, kv_heads, 1, nb, blk, D).swapaxes(-1, -2)
-    keys = mx.arange(nb * blk).reshape(nb, 1, blk)
-    keep = keys < S  # the padding
-    if isinstance(mask, str):  # causal: query l sits at position S - L + l
-        keep = keep & (keys <= (S - L + mx.arange(L)).reshape(L, 1, 1, 1))
-    elif mask is not None:
-        m = mask if mask.ndim == 4 else mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-        m = mx.pad(m, [(0, 0)] * 3 + [(0, nb * blk - S)])  # zeros (False): `keep` masks them
+    scores = qs @ k.reshape(B, kv_heads, 1, nb, blk, D).swapaxes(-1, -2)
+    masks = [mask] if isinstance(mask, mx.array) else []
+    mx.eval(scores, *masks)
+    s = np.array(scores)  # (B, kv_heads, L, nb, rep, blk), contiguous: changed in place below
+    keys = np.arange(nb * blk).reshape(nb, 1, blk)
+    # the padding, and with "causal" the keys after each query's own (position S - L + l)
+    last = (S - L + np.arange(L)).reshape(L, 1, 1, 1) if isinstance(mask, str) else S - 1
+    s += np.where(keys <= last, np.float32(0), np.float32(-np.inf))
+    if masks:
+        m = np.asarray(masks[0])
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        if m.dtype == np.bool_:
+            m = np.where(m, np.float32(0), np.float32(-np.inf))
+        m = np.pad(m.astype(np.float32), [(0, 0)] * 3 + [(0, nb * blk - S)])  # `keys` masks it
         if m.shape[1] == H:  # per head: (B, kv_heads, rep, L, nb, blk) -> s's layout
             m = m.reshape(m.shape[0], kv_heads, rep, L, nb, blk).transpose(0, 1, 3, 4, 2, 5)
         else:
             m = m.reshape(m.shape[0], 1, L, nb, 1, blk)
-        if m.dtype == mx.bool_:
-            keep = keep & m
-        else:
-            s = s + m
-    s = mx.where(keep, s, -mx.inf)
-    p = mx.exp(s - s.max(axis=(3, 5), keepdims=True))
+        s += m
+    s -= s.max(axis=(3, 5), keepdims=True)
+    np.exp(s, out=s)
+    p = mx.array(s)
     total = p.sum(axis=-1).sum(axis=3)  # (B, kv_heads, L, rep)
     out = (p @ v.reshape(B, kv_heads, 1, nb, blk, Dv)).sum(axis=3)  # (B, kv_heads, L, rep, Dv)
     out = out / total[..., None]
