@@ -51,7 +51,7 @@ def test_a_profile_measured_with_mlx_products_is_not_read_once_the_kernel_serves
     load_profile(MLXEngine(model), sizes=(1, 2))
     assert kernel.products(model) == "mlx"
     kernel.serve(model, "f32")  # float32 weights either way: only the kernel differs
-    assert kernel.products(model) == f"onednn-f32 x{kernel.default_threads()}"
+    assert kernel.products(model) == f"onednn-f32 x{kernel.default_threads()} r{kernel.REVISION}"
     after = engine_key(MLXEngine(model))
     assert after != before
     prof = load_profile(MLXEngine(model), sizes=(1, 2))

@@ -53,6 +53,34 @@ def test_products_match_mlx(kind, rows):
         assert not np.allclose(np.array(got), np.array(lin(x)), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_product_runs_at_its_own_rows_only_where_they_are_the_padded_products(kind, monkeypatch):
+    """A pass over M < ROWS tokens runs at M rows where that plan gives every row what the
+    product padded to ROWS gives (checked once, on its first input), and padded where it does
+    not: here a plan at M rows is made to differ in one last bit, and the product must then
+    be the padded one's, bit for bit."""
+    lin = kernel.KernelLinear(mx.random.normal((300, 96), key=mx.random.key(1)), None, kind)
+    if kind == "bf16":
+        lin.pack()
+    x = mx.random.normal((3, 96), key=mx.random.key(2))
+    want = np.array(lin(mx.concatenate([x, mx.zeros((kernel.ROWS - 3, 96))]))[:3])
+    plan = kernel._dnnl.plan(96, 300, lin._dtype, False, 3, 0, lin._packed)
+    plan.invariant = None
+    assert np.array_equal(np.array(lin(x)), want)
+    assert plan.invariant is True  # oneDNN's kernels: the same sums at every M (here)
+    run = kernel._Plan.run
+
+    def off_by_a_bit(self, weight_ptr, bias_ptr):  # a kernel whose sums differ at M = 3
+        run(self, weight_ptr, bias_ptr)
+        if self.src.shape[0] == 3:
+            self.dst.view(np.uint32)[0, 0] ^= 1
+
+    monkeypatch.setattr(kernel._Plan, "run", off_by_a_bit)
+    plan.invariant = None
+    assert np.array_equal(np.array(lin(x)), want)
+    assert plan.invariant is False
+
+
 def _int8_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x @ w.T the way the int8 kernel defines it (runtime/kernel.py, "int8")."""
 
@@ -62,6 +90,11 @@ def _int8_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
     (qx, sx), (qw, sw) = rows(x.astype(np.float32)), rows(w.astype(np.float32))
     return (qx @ qw.T).astype(np.float32) * sw[:, 0] * sx
+
+
+def _named(kind):
+    """A served model's kernel as profiles name it (`kernel.products`)."""
+    return f"onednn-{kind} x{kernel.default_threads()} r{kernel.REVISION}"
 
 
 def _served(path, kind):
@@ -218,16 +251,15 @@ def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, 
         assert isinstance(model.layers[0].self_attn.o_proj, kernel.KernelLinear)
     # by default an MLX draft rounds to int8 where the CPU has int8 dot products (it changes
     # how often the draft is accepted, never a token); a kind named in ONDEVICE_KERNEL serves both
-    threads = kernel.default_threads()
     want = "int8" if kernel.choice() == "bf16" and kernel.cpu_has_int8() else kernel.choice()
     assert kernel.draft_choice() == want
     blocked = "-blocked-head" if kernel.choice() == "bf16" else ""  # its weights (`pack`)
-    assert kernel.products(verifier) == f"onednn-{kernel.choice()}{blocked} x{threads}"
-    assert kernel.products(draft) == f"onednn-{want} x{threads}"
+    assert kernel.products(verifier) == _named(f"{kernel.choice()}{blocked}")
+    assert kernel.products(draft) == _named(want)
     monkeypatch.setenv(kernel.ENV, kernel.choice())
     gen = ondevice.load(*served_pair)
     for model in (gen._pair.verifier.model, gen._pair.draft.model):
-        assert kernel.products(model) == f"onednn-{kernel.choice()}{blocked} x{threads}"
+        assert kernel.products(model) == _named(f"{kernel.choice()}{blocked}")
     monkeypatch.setenv(kernel.ENV, "mlx")
     gen = ondevice.load(*served_pair)
     assert type(gen._pair.verifier.model.layers[0].self_attn.q_proj) is nn.Linear
@@ -369,11 +401,11 @@ def test_an_int8_models_profiles_are_named_by_its_layers(tmp_path, tie):
     path = tiny.write_model(tmp_path / "m", tie=tie, scale=1.5)
     model = _served(path, "int8")
     assert model.head.weight.dtype == mx.bfloat16 and model.head._packed
-    assert kernel.products(model) == f"onednn-int8-head x{kernel.default_threads()}"
+    assert kernel.products(model) == _named("int8-head")
     draft = load_model(path, dequantize=True).model
     kernel.serve(draft, "int8", draft=True)
     assert not draft.head._packed
-    assert kernel.products(draft) == f"onednn-int8 x{kernel.default_threads()}"
+    assert kernel.products(draft) == _named("int8")
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "f32"])
@@ -404,7 +436,7 @@ def test_a_bf16_models_weights_are_blocked_and_read_by_row_in_place(tmp_path, ti
     assert layers and all(m._packed and m.weight.ndim == 1 for m in layers)
     head = model.head
     assert head._packed and head.weight.ndim == 1
-    assert kernel.products(model) == f"onednn-bf16-blocked-head x{kernel.default_threads()}"
+    assert kernel.products(model) == _named("bf16-blocked-head")
     dense = head.dense()  # via oneDNN's own reorder back to row-major
     ids = np.array([[0, 7, 3], [head.out_features - 1, 1, 7]])
     assert np.array_equal(np.array(head.rows(ids).astype(mx.float32)), np.array(dense)[ids])
