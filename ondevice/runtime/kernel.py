@@ -774,8 +774,9 @@ class KernelLinear(nn.Module):
                 plan.src[:n] = src[i : i + n]
                 plan.run(self._weight_ptr, bias_ptr)
                 full[i : i + n] = plan.dst[:n]
-        if scale is not None:  # the int32 sums scaled back (in numpy, as the rounding)
-            full = full * self._np_scales * scale
+        if scale is not None:  # the int32 sums scaled back (in numpy, as the rounding), in
+            full *= self._np_scales  # place: a draft's 65,536-id head allocated 256 KB twice
+            full *= scale
             if self._np_bias is not None:
                 full += self._np_bias
         return full.reshape(*lead, N)
