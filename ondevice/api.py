@@ -109,12 +109,22 @@ class Generator:
         self, pair: _Pair, draft_backend: str = "auto", prompt_cache_bytes: int = DEFAULT_MAX_BYTES
     ):
         self._pair = pair
+        # The model's generation thread: every generation runs there, so the KV caches (whose
+        # MLX arrays belong to the thread's stream) outlive a call and the prompt cache can
+        # reuse them. Started on first use. Its job queue is also the line of callers: a
+        # generation asked for while another runs waits its turn (first come, first served).
+        # Pass costs are measured there too: on Linux the CPU kernel's products run on OpenMP,
+        # whose every calling thread keeps a pool of its own, and a second pool makes them all
+        # stop spinning between products (runtime/kernel.py, "Threads").
+        self._worker: Worker | None = None
+        # callers on several threads may ask for it at once: exactly one may start it
+        self._worker_lock = threading.Lock()
         self.tokenizer: Tokenizer = pair.verifier.tokenizer
         self.model_name = str(pair.extra.get("name") or pair.verifier.path.name)
         self.verifier = MLXEngine(pair.verifier.model)
         # a profile live passes marked stale is measured here, where a wait is expected, never
         # in a generation (runtime/pass_costs.py); the draft's once it is chosen, below
-        remeasure_stale(self.verifier)
+        self._call(lambda: remeasure_stale(self.verifier))
         self.context_length = self.verifier.context_length
         self.draft = None
         # where `auto` put the draft when it could choose (Core ML and MLX both run: a Mac)
@@ -141,7 +151,7 @@ class Generator:
                     mx.clear_cache()
         self.draft_backend = self.draft.name if self.draft is not None else None
         if self.draft is not None:
-            remeasure_stale(self.draft)
+            self._call(lambda: remeasure_stale(self.draft))  # type: ignore[arg-type]
         draft_mlx = self.draft.model if isinstance(self.draft, MLXEngine) else None
         apply_metal_limits(
             param_bytes(self.verifier.model) + (param_bytes(draft_mlx) if draft_mlx else 0)
@@ -151,13 +161,6 @@ class Generator:
             self.draft = draft_window(self.draft, self.context_length)
         # the draft's window in tokens (None: no draft); prompts may be longer (context_length)
         self.draft_context = self.draft.window if self.draft is not None else None
-        # The model's generation thread: every generation runs there, so the KV caches (whose
-        # MLX arrays belong to the thread's stream) outlive a call and the prompt cache can
-        # reuse them. Started on first use. Its job queue is also the line of callers: a
-        # generation asked for while another runs waits its turn (first come, first served).
-        self._worker: Worker | None = None
-        # callers on several threads may ask for it at once: exactly one may start it
-        self._worker_lock = threading.Lock()
         self.prompt_cache = PrefixCache(prompt_cache_bytes)
         # what proposers learn about this pair across its generations (new with a new draft)
         self.calibrations = Calibrations()

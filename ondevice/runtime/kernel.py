@@ -20,7 +20,14 @@ blocks on every call, which made a bf16 product of an 8960 x 1536 weight take 2.
 of 1.12 ms on the AMD Zen VMs here (the int8 one a quarter more on Intel). The head and the
 embedding stay row-major (`_layer_products`).
 
-Threads: oneDNN runs on OpenMP (libgomp). Each product runs on as many threads as the process
+Threads: oneDNN runs on OpenMP (libgomp), which keeps a pool of threads for each thread that
+calls it, and once a process holds more of its threads than it has cores, every pool stops
+spinning between parallel regions (libgomp's "throttled" spin: about a thousand iterations), so
+each product waits for its workers to be woken: on the 2-core VMs here an int8 product of the
+draft's took 116 us from a second thread against 39 us, and the draft's step 180 ms against
+61. So the products run on one thread: the model's generation thread (`api.Generator`), where
+pass costs are measured too; loading reorders weights on the loading thread with one OpenMP
+thread (`reorder`), which starts no pool. Each product runs on as many threads as the process
 may use (its CPU affinity) unless `ONDEVICE_KERNEL_THREADS` says otherwise: a one-token product
 is bound by memory, and one core alone does not draw the machine's bandwidth (docs/benchmarks.md,
 "Issue 26, session 3", measured idle). On a machine shared with other busy jobs, each of a
@@ -366,6 +373,7 @@ class _OneDNN:
         )
         self.check(lib.dnnl_primitive_create(ctypes.byref(prim), pd), "reorder primitive")
         lib.dnnl_primitive_desc_destroy(pd)
+        self.set_threads(1)  # at load, on the loading thread: see "Threads" above
         mems = (self.memory(src_md, src.ctypes.data), self.memory(dst_md, dst.ctypes.data))
         args = (_ExecArg * 2)(_ExecArg(_ARG_SRC, mems[0].value), _ExecArg(_ARG_DST, mems[1].value))
         status = lib.dnnl_primitive_execute(prim, self.stream, 2, args)
