@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -240,6 +241,30 @@ def served_pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("kpair")
     v = tiny.write_model(d / "v", layers=2, scale=1.5)
     return v, tiny.perturbed_copy(v, d / "d", noise=0.1)
+
+
+def test_products_run_on_one_openmp_pool(served_pair, monkeypatch):
+    """libgomp keeps a pool of threads for each thread that calls it and, with more of its
+    threads than cores, stops spinning between products, which then wait for their workers to
+    be woken (3x on a draft's step here): loading reorders weights with one OpenMP thread (no
+    pool on the loading thread), and a Generator measures pass costs on its generation thread,
+    where every product of a generation runs."""
+    threads_set = []
+    real = kernel._dnnl.set_threads
+    monkeypatch.setattr(kernel._dnnl, "set_threads", lambda n: (threads_set.append(n), real(n)))
+    kernel._dnnl.pack(np.ones((70, 40), np.int8))
+    assert threads_set[-1] == 1
+    import ondevice.api
+
+    measured_on = []
+    monkeypatch.setattr(
+        ondevice.api,
+        "remeasure_stale",
+        lambda engine: measured_on.append(threading.current_thread().name),
+    )
+    gen = ondevice.load(*served_pair)
+    assert measured_on == ["ondevice-generate"] * 2  # the verifier's and the draft's
+    gen.close()
 
 
 def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, monkeypatch):
