@@ -17,8 +17,10 @@ primitive is built per (K, N) and reused, and each thread keeps fixed input/outp
 The layers' weights are reordered once, at load, into the blocked layout oneDNN's matmul
 prefers (`_OneDNN.pack`; bf16 and int8 alike): read in MLX's row-major layout, oneDNN reorders
 blocks on every call, which made a bf16 product of an 8960 x 1536 weight take 2.13 ms instead
-of 1.12 ms on the AMD Zen VMs here (the int8 one a quarter more on Intel). The head and the
-embedding stay row-major (`_layer_products`).
+of 1.12 ms on the AMD Zen VMs here (the int8 one a quarter more on Intel). A verifier's head
+(a tied embedding too) is blocked as well (`_pack`); its rows are read in place where the
+layout puts them (`_OneDNN.offsets`, `KernelLinear.rows`). An int8 draft's bf16 head stays row-major
+beside its int8 one (`_draft_head`).
 
 Threads: oneDNN runs on OpenMP (libgomp), which keeps a pool of threads for each thread that
 calls it, and once a process holds more of its threads than it has cores, every pool stops
