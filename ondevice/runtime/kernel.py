@@ -705,16 +705,21 @@ class KernelLinear(nn.Module):
         self._packed = True
         self._pointers()
 
-    def rows(self, ids: np.ndarray) -> mx.array:
-        """The weight's rows `ids` (any shape of token ids), in place whether packed or not:
-        bf16 or float32 as stored (an embedding's lookups), int8 ones scaled back to float32."""
+    def rows(self, ids: mx.array | np.ndarray) -> mx.array:
+        """A bf16 or float32 weight's rows `ids` (any shape of token ids) as stored, read in
+        place whether packed or not (an embedding's lookups, a head's first rows)."""
+        assert self._dtype != _S8, "an int8 weight's rows are its int8 values"
         if not self._packed:
-            return self.weight[mx.array(ids)]
+            return self.weight[ids if isinstance(ids, mx.array) else mx.array(ids)]
         by_n, by_k = _dnnl.offsets(self.in_features, self.out_features, self._dtype)  # type: ignore[union-attr]
-        got = mx.array(self._np_weight[by_n[ids][..., None] + by_k])
-        if self._dtype == _S8:
-            return got.astype(mx.float32) * self.scales[mx.array(ids)][..., None]
-        return got.view(mx.bfloat16)
+        return mx.array(self._np_weight[by_n[np.asarray(ids)][..., None] + by_k]).view(mx.bfloat16)
+
+    def top(self, N: int, kind: str) -> KernelLinear:
+        """A product of `kind` over this one's first N rows (and bias), on as many threads."""
+        bias = self.bias[:N] if "bias" in self else None
+        out = KernelLinear(self.rows(np.arange(N)), bias, kind)
+        out.threads = self.threads
+        return out
 
     def dense(self) -> mx.array:
         """The float32 (N, K) matrix the product computes with (exactly)."""
@@ -735,13 +740,10 @@ class KernelLinear(nn.Module):
         small = self.get("int8_rows")  # an int8 draft's head (`_draft_head`)
         if small is not None and N == small.out_features:
             return small(x)
-        if self._packed and N < self.out_features:
+        if self._packed and self._dtype == _BF16 and N < self.out_features:
             first = getattr(self, "_first", None)  # not a parameter (underscored)
             if first is None or first.out_features != N:
-                bias = self.bias[:N] if "bias" in self else None
-                kind = {_BF16: "bf16", _S8: "int8"}.get(self._dtype, "f32")
-                self._first = first = KernelLinear(self.rows(np.arange(N)), bias, kind)
-                first.threads = self.threads
+                self._first = first = self.top(N, "bf16")
                 first.pack()
             return first(x)
         out = mx.array(self.product(x, N))  # a copy: the plan's buffer is reused
@@ -850,7 +852,7 @@ class KernelEmbedding(KernelLinear):
         super().__init__(weight, None, kind)
 
     def __call__(self, tokens: mx.array) -> mx.array:
-        return self.rows(np.asarray(tokens)).astype(mx.float32)
+        return self.rows(tokens).astype(mx.float32)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return KernelLinear.__call__(self, x)
@@ -1078,9 +1080,7 @@ def _draft_head(model: nn.Module) -> None:
     head = model.head  # type: ignore[union-attr]
     if not isinstance(head, KernelLinear) or head._dtype != _BF16:
         return
-    bias = head.bias[:rows] if "bias" in head else None
-    small = KernelLinear(head.rows(np.arange(rows)), bias, "int8")
-    small.threads = head.threads
+    small = head.top(rows, "int8")
     if rows < cfg.vocab_size:
         cfg.draft_vocab_size = rows
     head.int8_rows = small
