@@ -162,7 +162,9 @@ def test_long_prompt_keeps_drafting_with_the_plain_tokens(gen, method, pipeline)
         assert s["accepted"] > 0, s
         assert s["draft_backend"] == gen.draft_backend
     assert s["draft_window"] == CONTEXT and s["draft_window_moves"] > 0
-    assert "draft_skipped" not in s
+    # nothing skipped the draft (a draft past its context did once); auto may propose nothing
+    assert s.get("draft_skipped", "nothing was proposed") == "nothing was proposed"
+    assert "draft_skipped" not in s or (method == "auto" and not s["drafted"])
 
 
 def test_a_seed_means_the_same_past_the_window(gen) -> None:

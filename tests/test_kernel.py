@@ -20,7 +20,8 @@ from support.engines import TimedEngine
 
 import ondevice
 from ondevice.decoders.chain import ChainDecoder
-from ondevice.models import load_model, weights
+from ondevice.models import load_model, transformer, weights
+from ondevice.models.config import ModelConfig
 from ondevice.models.weights import save_model
 from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime import blas, kernel
@@ -126,9 +127,9 @@ def test_a_rows_logits_do_not_depend_on_the_pass_size(
     monkeypatch.setattr(kernel, "KEY_BLOCK", key_block)
     model = _served(tiny.write_model(tmp_path / arch, arch=arch, tie=tie, scale=1.5), kind)
     assert kernel.batch_invariant(model) and MLXEngine(model).batch_invariant
-    # a tied embedding is the head; an untied one is kept in bf16 too (half the memory)
-    if tie or kind == "bf16":
-        assert isinstance(model.model.embed_tokens, kernel.KernelEmbedding)
+    # the embedding is the kernel's too (a tied one is the head), and hands out numpy rows
+    assert isinstance(model.model.embed_tokens, kernel.KernelEmbedding)
+    assert model.model.embed_tokens.numpy_rows
     prompt = mx.array([5, 9, 14, 3, 22, 7, 11, 40])
     tokens = [int(t) for t in np.random.default_rng(0).integers(5, 90, 24)]
     ref = None
@@ -204,6 +205,76 @@ def test_attention_computes_what_mlx_does(heads, kv_heads, L, S, mask, monkeypat
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
     got = kernel.attention(q, k, v, scale=0.25, mask=m)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_served_pass_runs_on_numpy_from_the_lookup_to_the_head(tmp_path, kind):
+    """Between its products a served model's pass makes no MLX op: the embedding hands out
+    numpy rows and each layer returns numpy ones; the model returns MLX logits. A served module
+    given MLX arrays returns MLX arrays (its callers outside the pass)."""
+    path = tiny.write_model(tmp_path / "m", arch="qwen3", tie=False, scale=1.5)
+    model = _served(path, kind)
+    tokens = mx.array([[5, 9, 14, 3]])
+    h = model.model.embed_tokens(tokens)
+    assert isinstance(h, np.ndarray) and h.dtype == np.float32
+    cache = model.make_cache()
+    out = model.layers[0](h, "causal", cache[0], None)
+    assert isinstance(out, np.ndarray) and out.shape == h.shape
+    attn = model.layers[1].self_attn
+    assert isinstance(model.layers[1].input_layernorm, kernel.KernelNorm)
+    assert isinstance(attn.rope, kernel.KernelRoPE) and isinstance(attn.q_norm, kernel.KernelNorm)
+    logits, hidden = model(tokens, hidden=True)
+    assert isinstance(logits, mx.array) and isinstance(hidden, mx.array)
+    x = mx.array(h)
+    assert isinstance(model.layers[0].mlp(x), mx.array)
+    assert isinstance(model.layers[0].input_layernorm(x), mx.array)
+    # numpy and MLX inputs give the same rows
+    np.testing.assert_array_equal(np.array(model.layers[0].mlp(x)), model.layers[0].mlp(h))
+    # and a model whose products are not all the kernel's keeps MLX's glue
+    loaded = load_model(path, dequantize=True).model
+    nn.quantize(loaded, group_size=32, bits=8, class_predicate=lambda p, m: p.endswith("o_proj"))
+    kernel.serve(loaded, kind)
+    assert not kernel.batch_invariant(loaded)
+    assert type(loaded.layers[0].input_layernorm) is nn.RMSNorm
+    assert not loaded.model.embed_tokens.numpy_rows
+    want = np.array(loaded(tokens))
+    assert np.isfinite(want).all()
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"type": "linear", "factor": 2.0},
+        {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64},
+    ],
+)
+@pytest.mark.parametrize("positions", [None, (7,), (2, 7)])
+def test_the_kernels_rotary_embedding_computes_what_mlx_does(traditional, scaling, positions):
+    cfg = tiny.make_config("llama")
+    cfg.update(rope_scaling=scaling, rope_theta=500000.0, head_dim=32)
+    rope = transformer.RoPE(ModelConfig.from_dict(cfg))
+    rope.traditional = traditional
+    r = np.random.default_rng(3)
+    x = mx.array(r.standard_normal((2, 3, 7, 32)).astype(np.float32))
+    pos = None if positions is None else mx.array(r.integers(0, 900, positions), mx.int32)
+    want = np.array(rope(x, 40, pos))
+    ours = kernel.KernelRoPE(rope)
+    got = ours(np.array(x), 40, pos)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    # a position's rotation does not depend on the table's size or on the other positions
+    one = ours(np.array(x)[:, :, 3:4], 43, None if pos is None else pos[..., 3:4])
+    assert np.array_equal(one, got[:, :, 3:4])
+
+
+def test_the_kernels_norm_computes_what_mlx_does():
+    norm = nn.RMSNorm(48, eps=1e-5)
+    norm.weight = mx.array(np.random.default_rng(1).standard_normal(48).astype(np.float32))
+    x = np.random.default_rng(2).standard_normal((1, 5, 48)).astype(np.float32) * 3
+    got = kernel.KernelNorm(norm)(x)
+    np.testing.assert_allclose(got, np.array(norm(mx.array(x))), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(kernel.KernelNorm(norm)(x[:, 2:3]), got[:, 2:3])
 
 
 @pytest.mark.parametrize("tie", [True, False])

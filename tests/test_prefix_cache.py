@@ -278,7 +278,19 @@ def package_generator(package_pair, **kwargs) -> Generator:
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("decoder", ["chain", "pipelined", "tree"])
-def test_the_package_drafts_cache_is_reused_exactly(package_pair, decoder, sampling):
+def test_the_package_drafts_cache_is_reused_exactly(package_pair, decoder, sampling, monkeypatch):
+    # pass costs where drafting pays (the tree is sized by them; measured ones, under a loaded
+    # machine, may leave it empty, and this test needs drafts to reuse)
+    from ondevice.proposers import resources
+    from ondevice.runtime.engines import DraftWindow
+    from ondevice.runtime.pass_costs import SIZES, CostProfile
+
+    costs = {True: [1.0 + 0.02 * n for n in SIZES], False: [0.1 + 0.01 * n for n in SIZES]}
+    monkeypatch.setattr(
+        resources,
+        "load_profile",
+        lambda engine: CostProfile(list(SIZES), costs[not isinstance(engine, DraftWindow)]),
+    )
     gen = package_generator(package_pair)
     ref = package_generator(package_pair, prompt_cache_bytes=0)
     assert gen.draft_backend == "reference"

@@ -22,6 +22,8 @@ class LayerCache:
         self.offset = 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if not isinstance(keys, mx.array):  # numpy rows of a served model (runtime/kernel.py)
+            keys, values = mx.array(keys), mx.array(values)
         n = keys.shape[2]
         end = self.offset + n
         if self.keys is None or end > self.keys.shape[2]:

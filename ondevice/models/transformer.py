@@ -11,6 +11,7 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ondevice.models.cache import KVCache, LayerCache
 from ondevice.models.config import ModelConfig
@@ -204,7 +205,10 @@ class Model(nn.Module):
         h = self.model.embed_tokens(tokens)
         L = tokens.shape[1]
         prefix = cache.offset if cache is not None else 0
-        attn_mask = _attention_mask(mask, L, prefix, h.dtype)
+        # a model served by the CPU kernel passes numpy float32 rows between its modules
+        # (runtime/kernel.py, "Glue"); they become MLX arrays again at the end
+        dtype = h.dtype if isinstance(h, mx.array) else mx.float32
+        attn_mask = _attention_mask(mask, L, prefix, dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, attn_mask, cache[i] if cache is not None else None, positions)
         h = self.model.norm(h[:, -1:] if last_only else h)
@@ -215,7 +219,13 @@ class Model(nn.Module):
             logits = self.model.embed_tokens.as_linear(h)
         else:
             logits = self.lm_head(h)
+        logits, h = as_mlx(logits), as_mlx(h)
         return (logits, h) if hidden else logits
+
+
+def as_mlx(a: mx.array | np.ndarray) -> mx.array:
+    """An MLX array as it is; numpy rows (a served model's, runtime/kernel.py) as MLX."""
+    return a if isinstance(a, mx.array) else mx.array(a)
 
 
 def norm_weights(model: Model) -> list[mx.array]:

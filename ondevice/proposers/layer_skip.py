@@ -36,7 +36,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ondevice.models.transformer import Model, norm_weights
+from ondevice.models.transformer import Model, as_mlx, norm_weights
 from ondevice.proposers.base import Unavailable, Verification, cost_budget, cost_rate
 from ondevice.proposers.draft_tree import DraftState, DraftTreeProposer
 from ondevice.rules.noise import PositionNoise
@@ -189,7 +189,7 @@ def weights_fingerprint(model: Model) -> str:
     """What identifies a model's weights cheaply: its shapes and dtype (`engine_key`) and the
     values of its norms and first embedding rows (a fine-tune changes them), as looked up."""
     h = hashlib.sha256(engine_key(MLXEngine(model)).encode())
-    for a in [model.model.embed_tokens(mx.arange(4)), *norm_weights(model)]:
+    for a in [as_mlx(model.model.embed_tokens(mx.arange(4))), *norm_weights(model)]:
         h.update(np.array(a.astype(mx.float32)).tobytes())
     return h.hexdigest()[:16]
 

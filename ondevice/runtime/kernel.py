@@ -9,8 +9,8 @@ over 8 tokens costs little more than one, and the weights take half the memory o
 (docs/benchmarks.md, "issue 26: pass cost").
 
 How it is wired, so that the model code stays one copy: `serve(model)` swaps each `nn.Linear`
-of an MLX transformer (and the tied head) for a `KernelLinear` that evaluates its input, runs the
-product in oneDNN on the same buffers and hands the result back to MLX. Products that share
+of an MLX transformer (and the embedding, and a tied head) for a `KernelLinear` that runs the
+product in oneDNN on its input's buffer and hands the result back (see "Glue"). Products that share
 their input (q/k/v, gate/up) become one (`KernelPart`), so a pass makes four a layer plus the
 head; the glue still avoids per-product work: weights are converted once at load, one
 primitive is built per (K, N) and reused, and each thread keeps fixed input/output buffers.
@@ -21,6 +21,19 @@ of 1.12 ms on the AMD Zen VMs here (the int8 one a quarter more on Intel). A ver
 (a tied embedding too) is blocked as well (`_pack`); its rows are read in place where the
 layout puts them (`_OneDNN.offsets`, `KernelLinear.rows`). An int8 draft's bf16 head stays row-major
 beside its int8 one (`_draft_head`).
+
+Glue: everything between the products of a served model's pass runs in numpy on the calling
+thread: the norms (`KernelNorm`), the rotary embedding (`KernelRoPE`), attention (`attention`),
+the MLP's gating (`silu_gate`) and the residual sums (the model code's own `+`, on numpy
+arrays), from the embedding's rows (`KernelEmbedding.numpy_rows`) to the head's logits, which
+the model hands back as MLX (`transformer.as_mlx`); only the KV cache's buffers stay MLX's. Each
+MLX evaluation hands the work to MLX's stream thread and waits for it: 14-60 us for one small
+op here, 70-100 us right after a product (the OpenMP workers still spin on the other core),
+against 1-2 us for the same op in numpy, and a layer made three such evaluations. With the glue
+in numpy the 0.5B draft's step took 28-32 ms instead of 41-55 and a 512-token prompt 6.6 s
+instead of 17.4 (docs/benchmarks.md, "Issue 26, session 8"). A served module follows its
+input: given MLX arrays (a tool's call outside the pass, a model whose products are not all the
+kernel's) it returns MLX arrays.
 
 Threads: oneDNN runs on OpenMP (libgomp), which keeps a pool of threads for each thread that
 calls it, and once a process holds more of its threads than it has cores, every pool stops
@@ -117,7 +130,7 @@ DRAFT_VOCAB = 65536  # an int8 draft scores this many ids at most (see "The draf
 ROWS = 16  # a product over up to this many rows runs at its own M or padded to this...
 PREFILL_ROWS = 128  # ...or, in a pass over more than ROWS tokens (a prompt), in chunks of this
 KEY_BLOCK = 128  # attention reads the keys in blocks of this many (see `attention`)
-REVISION = 2  # in profiles' names: raised when a change of this module changes pass costs
+REVISION = 3  # in profiles' names: raised when a change of this module changes pass costs
 THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default: all usable)
 
 # oneDNN C API constants (dnnl_types.h, oneDNN 3.x)
@@ -564,54 +577,135 @@ def available() -> bool:
     return mx.default_device() == mx.cpu and _open() is not None
 
 
+def _np(x: mx.array | np.ndarray) -> np.ndarray:
+    """`x` as float32 numpy: an MLX array is evaluated and its buffer read in place."""
+    if isinstance(x, mx.array) and x.dtype != mx.float32:
+        x = x.astype(mx.float32)
+    return np.asarray(x, np.float32)
+
+
+def _like(x: mx.array | np.ndarray, out: np.ndarray) -> mx.array | np.ndarray:
+    """A served module's result in its input's kind: numpy on the numpy glue (see "Glue"
+    above), else an (evaluated) MLX array in the input's dtype."""
+    if isinstance(x, np.ndarray):
+        return out
+    y = mx.array(out)
+    return y if x.dtype == mx.float32 else y.astype(x.dtype)
+
+
+def _widen_bf16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) as float32 values (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class KernelNorm(nn.Module):
+    """`nn.RMSNorm` in numpy, row by row (so a row's values do not depend on the pass size);
+    the weight stays the model's parameter."""
+
+    def __init__(self, norm: nn.RMSNorm):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps
+        self._w = np.array(norm.weight.astype(mx.float32))
+
+    def __call__(self, x: mx.array | np.ndarray) -> mx.array | np.ndarray:
+        a = _np(x)
+        out = a / np.sqrt(np.mean(np.square(a), axis=-1, keepdims=True) + np.float32(self.eps))
+        out *= self._w
+        return _like(x, out)
+
+
+class KernelRoPE(nn.Module):
+    """`transformer.RoPE` in numpy: each position's cosines and sines come from a table
+    computed once (in float64, rounded to float32) and grown as positions need, so a token's
+    rotation depends on its position only."""
+
+    def __init__(self, rope: nn.Module):
+        super().__init__()
+        self.traditional = rope.traditional
+        # the angle of pair i at position p: p * scale / wavelength_i (`rope_wavelengths`)
+        self._step = float(rope._scale) / np.asarray(rope._freqs, np.float64)
+        self._cos = self._sin = np.zeros((0, self._step.size), np.float32)
+
+    def _table(self, n: int) -> None:
+        if n > len(self._cos):
+            angles = np.arange(max(n, 2 * len(self._cos), 512), dtype=np.float64)[:, None]
+            angles = angles * self._step
+            self._cos, self._sin = (
+                np.cos(angles).astype(np.float32),
+                np.sin(angles).astype(np.float32),
+            )
+
+    def __call__(
+        self, x: mx.array | np.ndarray, offset: int, positions: mx.array | None
+    ) -> mx.array | np.ndarray:
+        a = _np(x)  # (B, heads, L, D)
+        L, half = a.shape[2], a.shape[3] // 2
+        if positions is None:
+            pos = np.arange(offset, offset + L)[None]
+        else:  # (L,) or (B, L)
+            pos = np.asarray(positions).astype(np.int64).reshape(-1, L)
+        self._table(int(pos.max()) + 1)
+        cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # (B or 1, 1, L, half)
+        out = np.empty(a.shape, np.float32)
+        if self.traditional:  # rotated pairs (x0, x1), (x2, x3), ...
+            x1, x2, o1, o2 = a[..., 0::2], a[..., 1::2], out[..., 0::2], out[..., 1::2]
+        else:  # x[i] with x[i + D/2]
+            x1, x2 = a[..., :half], a[..., half:]
+            o1, o2 = out[..., :half], out[..., half:]
+        np.subtract(x1 * cos, x2 * sin, out=o1)
+        np.add(x2 * cos, x1 * sin, out=o2)
+        return _like(x, out)
+
+
 def attention(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
+    q: mx.array | np.ndarray,
+    k: mx.array | np.ndarray,
+    v: mx.array | np.ndarray,
     *,
     scale: float,
     mask: mx.array | str | None = None,
-) -> mx.array:
+) -> mx.array | np.ndarray:
     """`mx.fast.scaled_dot_product_attention` with rows that do not depend on the pass size.
 
     q: (B, heads, L, D); k, v: (B, kv_heads, S, D), the last L keys being the pass's own;
     mask: None, "causal" or an additive (or boolean) mask broadcastable to (B, heads, L, S).
+    Returns (B, heads, L, D) as numpy where q is numpy (the served model's glue, `KernelNorm`),
+    else as MLX.
 
-    A BLAS product's rows depend on its shape (MKL picks another path for another M, K or N),
-    and a row of attention is a product over every key so far. Here each product has one
+    A BLAS product's rows depend on its shape (a BLAS picks another path for another M, K or
+    N), and a row of attention is a product over every key so far. Here each product has one
     shape whatever the pass: one token's query heads (GQA: the heads sharing a key head) against
     one block of `KEY_BLOCK` keys, the last block padded and masked. The softmax's maximum is
     exact in any order; its sum and the values' weighted sum are taken per block and then over
-    the blocks in order, and a block past a row's last key adds exact zeros. So a row costs
-    what it costs alone, and a pass over L tokens does L rows' work, not a padded pass's.
+    the blocks one after another, and a block past a row's last key adds exact zeros. So a row
+    costs what it costs alone, and a pass over L tokens does L rows' work, not a padded pass's.
 
-    The products are MLX's (MKL's small products are fast); the masking and the softmax's
-    exponentials are numpy's, on the evaluated scores: MLX's CPU `exp` is scalar on x86
-    (about 11 ns an element here, numpy's vectorised one 0.4), which made attention over 16
-    tokens cost 2-3 ms a layer of the 1.5B verifier (docs/benchmarks.md, "Issue 26, session 7").
-    numpy's `exp` runs one vectorised loop over the contiguous scores, so an element's value
-    does not depend on where in the array it sits.
+    All in numpy, on the calling thread: numpy's matmul makes one BLAS call per (token, block)
+    matrix of a stack, as MLX's batched product did, and its `exp` is vectorised where MLX's CPU
+    `exp` is scalar on x86 (about 11 ns an element here, numpy's 0.4), while each MLX evaluation
+    hands the work to MLX's stream thread and waits for it (see "Glue" above).
     """
-    B, H, L, D = q.shape
-    kv_heads, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    qn, kn, vn = _np(q), _np(k), _np(v)
+    B, H, L, D = qn.shape
+    kv_heads, S, Dv = kn.shape[1], kn.shape[2], vn.shape[3]
     rep, blk = H // kv_heads, KEY_BLOCK
     nb = -(-S // blk)
-    if nb * blk > S:
-        pad = [(0, 0), (0, 0), (0, nb * blk - S), (0, 0)]
-        k, v = mx.pad(k, pad), mx.pad(v, pad)
+    kp = np.zeros((B, kv_heads, nb * blk, D), np.float32)
+    vp = np.zeros((B, kv_heads, nb * blk, Dv), np.float32)
+    kp[:, :, :S], vp[:, :, :S] = kn, vn
     # (B, kv_heads, L, 1, rep, D) @ (B, kv_heads, 1, nb, D, blk): one (rep, D) x (D, blk)
-    # product per token and block (MLX runs a batched product as one BLAS call per matrix)
-    qs = (q * scale).reshape(B, kv_heads, rep, L, D).transpose(0, 1, 3, 2, 4)[:, :, :, None]
-    scores = qs @ k.reshape(B, kv_heads, 1, nb, blk, D).swapaxes(-1, -2)
-    masks = [mask] if isinstance(mask, mx.array) else []
-    mx.eval(scores, *masks)
-    s = np.array(scores)  # (B, kv_heads, L, nb, rep, blk), contiguous: changed in place below
+    # product per token and block
+    qs = (qn * np.float32(scale)).reshape(B, kv_heads, rep, L, D).transpose(0, 1, 3, 2, 4)
+    qs = np.ascontiguousarray(qs)  # every (rep, D) matrix alike, whatever L
+    s = qs[:, :, :, None] @ kp.reshape(B, kv_heads, 1, nb, blk, D).swapaxes(-1, -2)
+    # s: (B, kv_heads, L, nb, rep, blk), a fresh contiguous array: changed in place below
     keys = np.arange(nb * blk).reshape(nb, 1, blk)
     # the padding, and with "causal" the keys after each query's own (position S - L + l)
     last = (S - L + np.arange(L)).reshape(L, 1, 1, 1) if isinstance(mask, str) else S - 1
     s += np.where(keys <= last, np.float32(0), np.float32(-np.inf))
-    if masks:
-        m = np.asarray(masks[0])
+    if mask is not None and not isinstance(mask, str):
+        m = np.asarray(mask)
         m = m.reshape((1,) * (4 - m.ndim) + m.shape)
         if m.dtype == np.bool_:
             m = np.where(m, np.float32(0), np.float32(-np.inf))
@@ -623,11 +717,14 @@ def attention(
         s += m
     s -= s.max(axis=(3, 5), keepdims=True)
     np.exp(s, out=s)
-    p = mx.array(s)
-    total = p.sum(axis=-1).sum(axis=3)  # (B, kv_heads, L, rep)
-    out = (p @ v.reshape(B, kv_heads, 1, nb, blk, Dv)).sum(axis=3)  # (B, kv_heads, L, rep, Dv)
-    out = out / total[..., None]
-    return out.transpose(0, 1, 3, 2, 4).reshape(B, H, L, Dv)
+    sums = s.sum(axis=-1)  # (B, kv_heads, L, nb, rep): one block's keys each
+    outs = s @ vp.reshape(B, kv_heads, 1, nb, blk, Dv)  # (B, kv_heads, L, nb, rep, Dv)
+    total, out = sums[:, :, :, 0].copy(), outs[:, :, :, 0].copy()
+    for b in range(1, nb):  # the blocks in order: a row's sums do not depend on nb
+        total += sums[:, :, :, b]
+        out += outs[:, :, :, b]
+    out /= total[..., None]
+    return _like(q, out.transpose(0, 1, 3, 2, 4).reshape(B, H, L, Dv))
 
 
 def silu_gate(gate: mx.array, up: mx.array) -> mx.array:
@@ -635,14 +732,14 @@ def silu_gate(gate: mx.array, up: mx.array) -> mx.array:
     MLX's CPU sigmoid took 3.2 ms a layer over 16 tokens of the 1.5B verifier (8,960 wide) on
     the AMD VMs here, and numpy needs no MLX op (none wakes MLX's stream thread). Elementwise,
     so a row's values do not depend on the pass size."""
-    g, u = np.asarray(gate), np.asarray(up)
+    g, u = _np(gate), _np(up)
     e = np.negative(g)
     with np.errstate(over="ignore"):  # exp(-g) = inf: silu(g) = -0.0, as it should
         np.exp(e, out=e)
     e += 1
     out = g * u
     out /= e
-    return mx.array(out)
+    return _like(gate, out)
 
 
 class KernelLinear(nn.Module):
@@ -711,8 +808,14 @@ class KernelLinear(nn.Module):
         assert self._dtype != _S8, "an int8 weight's rows are its int8 values"
         if not self._packed:
             return self.weight[ids if isinstance(ids, mx.array) else mx.array(ids)]
+        return mx.array(self._stored_rows(np.asarray(ids))).view(mx.bfloat16)
+
+    def _stored_rows(self, ids: np.ndarray) -> np.ndarray:
+        """The rows `ids` as numpy, as stored (bf16: uint16 bit patterns), packed or not."""
+        if not self._packed:
+            return self._np_weight[ids]
         by_n, by_k = _dnnl.offsets(self.in_features, self.out_features, self._dtype)  # type: ignore[union-attr]
-        return mx.array(self._np_weight[by_n[np.asarray(ids)][..., None] + by_k]).view(mx.bfloat16)
+        return self._np_weight[by_n[ids][..., None] + by_k]
 
     def top(self, N: int, kind: str) -> KernelLinear:
         """A product of `kind` over this one's first N rows (and bias), on as many threads."""
@@ -746,10 +849,9 @@ class KernelLinear(nn.Module):
                 self._first = first = self.top(N, "bf16")
                 first.pack()
             return first(x)
-        out = mx.array(self.product(x, N))  # a copy: the plan's buffer is reused
-        return out if x.dtype == mx.float32 else out.astype(x.dtype)
+        return _like(x, np.array(self.product(x, N)))  # a copy: the plan's buffer is reused
 
-    def product(self, x: mx.array, N: int) -> np.ndarray:
+    def product(self, x: mx.array | np.ndarray, N: int) -> np.ndarray:
         """The product of `x` (..., K) with W's first N rows as numpy (..., N), possibly a view
         of the plan's buffer (valid until this thread's next product of that shape).
 
@@ -758,7 +860,7 @@ class KernelLinear(nn.Module):
         the input rows (bf16: to nearest even, int8: `_quantize_rows`) costs no MLX ops."""
         K = self.in_features
         lead = x.shape[:-1]
-        src = np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32)).reshape(-1, K)
+        src = _np(x).reshape(-1, K)
         scale = None
         assert N == self.out_features or not self._packed, "packed rows are not a prefix"
         if self._dtype == _BF16:
@@ -838,8 +940,7 @@ class KernelPart(nn.Module):
         j = self._joint
         if getattr(j, "_last_x", None) is not x:  # a copy: the plan's buffer is reused
             j._last_x, j._last_y = x, np.array(j.product(x, j.out_features))
-        out = mx.array(j._last_y[..., self._lo : self._hi])  # evaluated: no MLX op
-        return out if x.dtype == mx.float32 else out.astype(x.dtype)
+        return _like(x, j._last_y[..., self._lo : self._hi])  # evaluated: no MLX op
 
 
 class KernelEmbedding(KernelLinear):
@@ -848,11 +949,16 @@ class KernelEmbedding(KernelLinear):
     same buffer (`as_linear`), so a tied matrix is kept once. An untied bf16 embedding takes
     half the memory of a float32 one; plain and speculative decoding look up the same rows."""
 
+    numpy_rows = False  # lookups as numpy rows: set where the model runs on the numpy glue
+
     def __init__(self, weight: mx.array, kind: str):
         super().__init__(weight, None, kind)
 
-    def __call__(self, tokens: mx.array) -> mx.array:
-        return self.rows(tokens).astype(mx.float32)
+    def __call__(self, tokens: mx.array) -> mx.array | np.ndarray:
+        if not self.numpy_rows:
+            return self.rows(tokens).astype(mx.float32)
+        rows = self._stored_rows(np.asarray(tokens))
+        return _widen_bf16(rows) if self._dtype == _BF16 else rows.astype(np.float32)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return KernelLinear.__call__(self, x)
@@ -1004,17 +1110,14 @@ def _swap(model: nn.Module, kind: str, threads: int) -> None:
         _join(module, names, kind)
         _release()
     del groups
-    # The embedding too where it is tied (it is the head) or in bf16 (half the memory, the same
-    # rows for every pass); an untied float32 one gains nothing from the kernel.
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    embedding = tied or kind == "bf16"
+    # The embedding too: tied, it is the head; in bf16 it takes half the memory; and its lookups
+    # start the numpy glue (below).
     # Paths first, then one layer at a time, so that each float32 weight is freed as soon as
     # its replacement exists (peak memory: the model plus one layer, not two models).
     paths = [
         p
         for p, m in model.named_modules()
-        if (type(m) is nn.Linear or (embedding and type(m) is nn.Embedding))
-        and m.weight.dtype in ours
+        if type(m) in (nn.Linear, nn.Embedding) and m.weight.dtype in ours
     ]
     for path in paths:
         *parents, last = path.split(".")
@@ -1035,7 +1138,22 @@ def _swap(model: nn.Module, kind: str, threads: int) -> None:
             m.attend = attention
         if hasattr(m, "gating"):
             m.gating = silu_gate
+    if batch_invariant(model):  # every product is the kernel's: the glue runs on numpy too
+        _numpy_glue(model)
     _release()
+
+
+def _numpy_glue(model: nn.Module) -> None:
+    """Swap a served model's norms and rotary embeddings for numpy ones and have its embedding
+    hand out numpy rows, so that a pass runs from the lookup to the head on numpy arrays and
+    the kernel's products, with no MLX op (see "Glue" above)."""
+    model.model.embed_tokens.numpy_rows = True  # type: ignore[union-attr]
+    for _, m in list(model.named_modules()):
+        for name, child in list(m.children().items()):
+            if type(child) is nn.RMSNorm:
+                m[name] = KernelNorm(child)
+        if hasattr(m, "rope") and not isinstance(m.rope, KernelRoPE):
+            m.rope = KernelRoPE(m.rope)
 
 
 def _layer_products(model: nn.Module) -> list[KernelLinear]:
