@@ -205,3 +205,32 @@ def test_truncated_draft_vocabulary_scores_the_first_rows(tmp_path, quantize):
     a, b = _np(full(toks)), _np(cut(toks))
     assert b.shape[-1] == 40
     np.testing.assert_allclose(b, a[..., :40], atol=1e-4)
+
+
+@pytest.mark.parametrize("first", ["mlx", "numpy"])
+def test_a_cache_fed_numpy_keeps_numpy_buffers_and_the_same_positions(first):
+    """A model served by the CPU kernel feeds its cache numpy keys (runtime/kernel.py, "Glue"):
+    the cache then holds numpy buffers, converting MLX ones once, and appends, trims, keeps a
+    subset and hands out its prefix (as MLX) exactly as an MLX cache does."""
+    from ondevice.models.cache import KVCache
+
+    r = np.random.default_rng(0)
+    chunks = [r.standard_normal((1, 2, n, 4)).astype(np.float32) for n in (3, 300, 5)]
+    ours, ref = KVCache(1), KVCache(1)
+    for i, c in enumerate(chunks):
+        numpy = (i % 2 == 0) == (first == "numpy")
+        k, v = ours[0].update_and_fetch(c if numpy else mx.array(c), -c if numpy else mx.array(-c))
+        assert isinstance(k, np.ndarray) == numpy and isinstance(ours[0].keys, np.ndarray) == numpy
+        want_k, want_v = ref[0].update_and_fetch(mx.array(c), mx.array(-c))
+        np.testing.assert_array_equal(np.array(k), np.array(want_k))
+        np.testing.assert_array_equal(np.array(v), np.array(want_v))
+    for cache in (ours, ref):
+        cache.keep(5, [0, 2, 3])
+        cache.trim(1)
+    assert ours.offset == ref.offset == 3 + 300 + 2
+    for (k, v), (wk, wv) in zip(ours.prefix(ours.offset), ref.prefix(ref.offset)):
+        assert isinstance(k, mx.array)
+        np.testing.assert_array_equal(np.array(k), np.array(wk))
+        np.testing.assert_array_equal(np.array(v), np.array(wv))
+    assert ours.nbytes == ref.nbytes > 0
+    assert all(isinstance(a, mx.array) for a in ours.state)  # what mx.eval may be given

@@ -2,13 +2,19 @@
 
 Keys and values live in preallocated buffers indexed by position (as in gpt-fast): rolling back
 is just moving `offset` back, and rejected entries are overwritten by the next append.
+
+The buffers are MLX arrays, or numpy ones where the model hands the cache numpy keys (a model
+served by the CPU kernel runs its pass on numpy, runtime/kernel.py "Glue": an MLX buffer would
+cost an MLX evaluation per layer and pass). A cache fed the other kind converts its buffers once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 _STEP = 256  # buffers grow in steps of this many positions
 
@@ -17,13 +23,15 @@ class LayerCache:
     """Keys and values of one attention layer: shape (B, n_kv_heads, positions, head_dim)."""
 
     def __init__(self) -> None:
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.keys: Any = None  # an mx.array or np.ndarray (see the module)
+        self.values: Any = None
         self.offset = 0
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if not isinstance(keys, mx.array):  # numpy rows of a served model (runtime/kernel.py)
-            keys, values = mx.array(keys), mx.array(values)
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        numpy = isinstance(keys, np.ndarray)
+        if self.keys is not None and isinstance(self.keys, np.ndarray) != numpy:
+            convert = np.array if numpy else mx.array
+            self.keys, self.values = convert(self.keys), convert(self.values)
         n = keys.shape[2]
         end = self.offset + n
         if self.keys is None or end > self.keys.shape[2]:
@@ -33,12 +41,13 @@ class LayerCache:
         self.offset = end
         return self.keys[..., :end, :], self.values[..., :end, :]
 
-    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
+    def _grow(self, keys: Any, values: Any, needed: int) -> None:
         B, H, _, Dk = keys.shape
         Dv = values.shape[3]
         size = ((needed + _STEP - 1) // _STEP) * _STEP
-        new_k = mx.zeros((B, H, size, Dk), keys.dtype)
-        new_v = mx.zeros((B, H, size, Dv), values.dtype)
+        zeros = np.zeros if isinstance(keys, np.ndarray) else mx.zeros
+        new_k = zeros((B, H, size, Dk), keys.dtype)
+        new_v = zeros((B, H, size, Dv), values.dtype)
         if self.keys is not None and self.offset:
             new_k[..., : self.offset, :] = self.keys[..., : self.offset, :]
             new_v[..., : self.offset, :] = self.values[..., : self.offset, :]
@@ -54,7 +63,12 @@ class LayerCache:
         if idx == list(range(len(idx))):  # a prefix: plain rollback, no copy
             self.offset = start + len(idx)
             return
-        if idx:
+        if idx and isinstance(self.keys, np.ndarray):
+            src_np = np.array([start + i for i in idx])
+            k, v = self.keys[:, :, src_np], self.values[:, :, src_np]  # copies
+            self.keys[..., start : start + len(idx), :] = k
+            self.values[..., start : start + len(idx), :] = v
+        elif idx:
             src = mx.array([start + i for i in idx])
             k = mx.take(self.keys, src, axis=2)
             v = mx.take(self.values, src, axis=2)
@@ -66,14 +80,21 @@ class LayerCache:
         self.offset = start + len(idx)
 
     @property
-    def state(self) -> list[mx.array]:
+    def buffers(self) -> list[Any]:
         return [] if self.keys is None else [self.keys, self.values]
 
+    @property
+    def state(self) -> list[mx.array]:
+        """The MLX buffers (what may be lazy; numpy ones never are)."""
+        return [a for a in self.buffers if isinstance(a, mx.array)]
+
     def prefix(self, n: int) -> tuple[mx.array, mx.array] | None:
-        """Keys and values of the first n positions (lazy slices; None when empty)."""
+        """Keys and values of the first n positions as MLX arrays (lazy slices, or copies of
+        numpy buffers' rows; None when empty)."""
         if self.keys is None or n <= 0:
             return None
-        return self.keys[..., :n, :], self.values[..., :n, :]
+        k, v = self.keys[..., :n, :], self.values[..., :n, :]
+        return (mx.array(k), mx.array(v)) if isinstance(k, np.ndarray) else (k, v)
 
     @classmethod
     def holding(cls, keys: mx.array, values: mx.array) -> LayerCache:
@@ -124,7 +145,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Memory held by the buffers (allocated positions, not only the used ones)."""
-        return sum(a.nbytes for a in self.state)
+        return sum(a.nbytes for c in self.layers for a in c.buffers)
 
     def prefix(self, n: int) -> list[tuple[mx.array, mx.array]]:
         """Per layer, keys and values of the first n positions (lazy slices)."""
