@@ -26,12 +26,13 @@ Glue: everything between the products of a served model's pass runs in numpy on 
 thread: the norms (`KernelNorm`), the rotary embedding (`KernelRoPE`), attention (`attention`),
 the MLP's gating (`silu_gate`) and the residual sums (the model code's own `+`, on numpy
 arrays), from the embedding's rows (`KernelEmbedding.numpy_rows`) to the head's logits, which
-the model hands back as MLX (`transformer.as_mlx`); only the KV cache's buffers stay MLX's. Each
-MLX evaluation hands the work to MLX's stream thread and waits for it: 14-60 us for one small
-op here, 70-100 us right after a product (the OpenMP workers still spin on the other core),
-against 1-2 us for the same op in numpy, and a layer made three such evaluations. With the glue
-in numpy the 0.5B draft's step took 28-32 ms instead of 41-55 and a 512-token prompt 6.6 s
-instead of 17.4 (docs/benchmarks.md, "Issue 26, session 8"). A served module follows its
+the model hands back as MLX (`transformer.as_mlx`), and the KV cache's buffers (models/cache.py
+keeps numpy ones where it is fed numpy keys). Each MLX evaluation hands the work to MLX's
+stream thread and waits for it: 14-60 us for one small op here, 70-100 us right after a product
+(the OpenMP workers still spin on the other core), against 1-2 us for the same op in numpy, and
+a layer made three such evaluations. With the glue in numpy the 0.5B draft's step took 25-31 ms
+instead of 36-41 and a 512-token prompt 6.5 s instead of 14-17; with the cache in numpy too,
+20.5-24 ms (docs/benchmarks.md, "Issue 26, session 8"). A served module follows its
 input: given MLX arrays (a tool's call outside the pass, a model whose products are not all the
 kernel's) it returns MLX arrays.
 
