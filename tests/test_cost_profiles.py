@@ -286,3 +286,49 @@ def test_auto_with_a_draft_keeps_its_candidates_and_adds_a_cached_self(verifier,
     assert with_self == [*names, "self"]
     assert set(dec.proposer.left_out) == {"lookahead", "medusa"}
     assert registry.METHODS["self"].in_auto and not registry.METHODS["tree"].in_auto
+
+
+class _Clocked(TableEngine):
+    """A table model whose passes advance a fake clock by what they "cost": `per_pass` +
+    `per_token` * n, times 3 during a slow spell (the first `slow` passes of all engines)."""
+
+    def __init__(self, clock, log, per_pass, per_token, vocab):
+        super().__init__(vocab=vocab)
+        self.clock, self.log, self.per_pass, self.per_token = clock, log, per_pass, per_token
+
+    def feed(self, tokens, last_only=False):
+        self.log.append(self.vocab_size)
+        spell = 3.0 if len(self.log) <= self.clock["slow"] else 1.0
+        self.clock["now"] += (self.per_pass + self.per_token * len(tokens)) * spell
+        return super().feed(tokens, last_only)
+
+
+def test_missing_profiles_are_measured_together_so_a_slow_spell_moves_both_alike(
+    home, monkeypatch, capsys
+):
+    """Measured one after the other, a verifier caught in a slow spell of a shared machine and
+    its draft measured after it give the draft's step a wrong share of a pass, and every round
+    is sized by that share. Measured together, every repeat times both."""
+    clock, log = {"now": 0.0, "slow": 0}, []
+    fake = type("Time", (), {"perf_counter": lambda: clock["now"], "time": time.time})
+    monkeypatch.setattr(pass_costs, "time", fake)
+    verifier = _Clocked(clock, log, 1.0, 0.1, vocab=12)
+    draft = _Clocked(clock, log, 0.3, 0.03, vocab=13)
+    # a slow spell over the first 40% of the passes a measurement makes (prefills included)
+    per_engine = 1 + 4 * len(pass_costs.SIZES)  # the budget stops it after 4 rounds here
+    clock["slow"] = int(0.4 * 2 * per_engine)
+    one_by_one = [pass_costs.measure(e) for e in (verifier, draft)]
+    assert one_by_one[1](1) / one_by_one[0](1) < 0.15  # the verifier's costs all slow
+    log.clear()
+    v, d = pass_costs.load_profiles([verifier, draft])
+    assert d(1) / v(1) == pytest.approx(0.33 / 1.1, rel=0.02)
+    assert v(8) == pytest.approx(1.8) and d(8) == pytest.approx(0.54)
+    # every round times both: the engines take turns after the two prefills
+    rounds = [log[i] for i in range(2, len(log), len(pass_costs.SIZES))]
+    assert rounds[:4] == [12, 13, 12, 13]
+    # each cached in its own file, announced; read back (nothing measured) next time
+    assert v.path != d.path and v.path.exists() and d.path.exists()
+    assert capsys.readouterr().err.count("measuring pass costs on this machine, once") == 2
+    log.clear()
+    again = pass_costs.load_profiles([verifier, draft])
+    assert [p.seconds for p in again] == [v.seconds, d.seconds] and not log

@@ -22,7 +22,7 @@ from ondevice.rules.chooser import TokenChooser
 from ondevice.rules.engine import Engine, batch_invariant
 from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime.engines import tree_engine
-from ondevice.runtime.pass_costs import CostProfile, CostWatch, load_profile
+from ondevice.runtime.pass_costs import CostProfile, CostWatch, load_profiles
 
 if TYPE_CHECKING:
     from ondevice.proposers.draft_tree import DraftState
@@ -148,8 +148,10 @@ class Resources:
         from ondevice.proposers.draft_tree import DraftState
 
         verifier = tree_engine(verifier)
-        vcost = load_profile(verifier) if profile else None
-        dcost = load_profile(draft) if profile and draft is not None else None
+        # measured together where missing: a slow spell moves both alike (`measure_together`)
+        engines = [verifier] if draft is None else [verifier, draft]
+        costs = load_profiles(engines) if profile else [None] * len(engines)
+        vcost, dcost = costs[0], (costs[1] if draft is not None else None)
         learned = (calibrations or Calibrations()).for_generation(verifier, params, seed)
         state = None
         if draft is not None:

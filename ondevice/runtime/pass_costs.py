@@ -47,6 +47,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
@@ -249,38 +250,72 @@ def measure(
 
     Sizes are interleaved within each repeat, so a change in load during the measurement (other
     processes on the machine) affects every size alike instead of skewing some of them."""
-    context = max(1, min(context, engine.context_length - max(sizes) - 1))
-    rng = np.random.default_rng(0)
-    toks = rng.integers(0, engine.vocab_size, context + max(sizes)).tolist()
-    engine.reset()
-    engine.feed(toks[:context], last_only=True)
-    times: dict[int, list[float]] = {n: [] for n in sizes}
+    return measure_together([engine], sizes, context=context, repeats=repeats, budget_s=budget_s)[0]
+
+
+def measure_together(
+    engines: Sequence[Engine],
+    sizes: tuple[int, ...] = SIZES,
+    *,
+    context: int = 256,
+    repeats: int = 7,
+    budget_s: float = BUDGET_S,
+) -> list[CostProfile]:
+    """`measure` of several engines at once: each repeat times every engine's sizes in turn,
+    so a change in load during the measurement moves every engine's costs alike, and what the
+    decoders weigh against each other (a draft step against a verifier pass) keeps its ratio.
+    Measured one after the other, a verifier measured in a slow spell of a shared machine and
+    its draft after it put a draft step at 0.37 of a pass where the same code measured 0.29-0.35
+    minutes later (docs/benchmarks.md, "Issue 26, session 8")."""
+    runs = []
+    for engine in engines:
+        ctx = max(1, min(context, engine.context_length - max(sizes) - 1))
+        rng = np.random.default_rng(0)
+        toks = rng.integers(0, engine.vocab_size, ctx + max(sizes)).tolist()
+        engine.reset()
+        engine.feed(toks[:ctx], last_only=True)
+        runs.append((engine, ctx, toks, {n: [] for n in sizes}))
     start = time.perf_counter()
     for rep in range(repeats + 1):
-        if rep > 3 and time.perf_counter() - start > budget_s:
+        if rep > 3 and time.perf_counter() - start > budget_s * len(engines):
             break
-        for n in sizes:
-            block = toks[context : context + n]
-            t = time.perf_counter()
-            engine.feed(block)
-            if rep:  # the first round only warms up (compilation, allocation)
-                times[n].append(time.perf_counter() - t)
-            engine.trim(n)
-    engine.reset()
-    # A profile must not decrease with size (timing noise): the tree sizer assumes it.
-    secs = np.maximum.accumulate([float(np.median(times[n])) for n in sizes]).tolist()
+        for engine, ctx, toks, times in runs:
+            for n in sizes:
+                block = toks[ctx : ctx + n]
+                t = time.perf_counter()
+                engine.feed(block)
+                if rep:  # the first round only warms up (compilation, allocation)
+                    times[n].append(time.perf_counter() - t)
+                engine.trim(n)
+    profiles = []
+    for engine, ctx, _, times in runs:
+        engine.reset()
+        # A profile must not decrease with size (timing noise): the tree sizer assumes it.
+        secs = np.maximum.accumulate([float(np.median(times[n])) for n in sizes]).tolist()
+        profiles.append(
+            CostProfile(
+                list(sizes),
+                secs,
+                device_name(),
+                engine_key(engine),
+                ctx,
+                time.time(),
+                kernel=_kernel_name(engine),
+            )  # fmt: skip
+        )
+    return profiles
+
+
+def _kernel_name(engine: Engine) -> str:
+    """What serves the engine's products (`kernel.products` for an MLX model), for people."""
     from ondevice.runtime.engines import innermost
 
     model = getattr(innermost(engine), "model", None)
     if hasattr(model, "named_modules"):
         from ondevice.runtime.kernel import products
 
-        kernel = products(model)
-    else:
-        kernel = engine.name
-    return CostProfile(
-        list(sizes), secs, device_name(), engine_key(engine), context, time.time(), kernel=kernel
-    )
+        return products(model)
+    return engine.name
 
 
 def load_profile(
@@ -312,6 +347,24 @@ def load_profile(
     return _measure_into(engine, sizes, path)
 
 
+def load_profiles(engines: Sequence[Engine]) -> list[CostProfile]:
+    """`load_profile` of each engine (a verifier and its draft), those that must be measured
+    measured together (`measure_together`), each announced and cached in its own file."""
+    found = [load_profile(e, measure_if_missing=False) for e in engines]
+    missing = [i for i, p in enumerate(found) if p is None]
+    paths = [profile_path(device_name(), engine_key(engines[i])) for i in missing]
+    for path in paths:
+        _say(
+            f"measuring pass costs on this machine, once, into {path} (up to about "
+            f"{BUDGET_S * len(paths):.0f} s)"
+        )
+    if missing:
+        measured = measure_together([engines[i] for i in missing])
+        for i, path, prof in zip(missing, paths, measured):
+            found[i] = _keep(prof, path)
+    return found  # type: ignore[return-value]
+
+
 def remeasure_stale(engine: Engine) -> CostProfile | None:
     """Measure `engine`'s cached profile again, at the same sizes, if live passes marked it
     stale (one line on stderr first); for `ondevice.load`, where a wait is expected. The
@@ -336,7 +389,11 @@ def _say(line: str) -> None:
 
 
 def _measure_into(engine: Engine, sizes: tuple[int, ...], path: Path) -> CostProfile:
-    prof = measure(engine, sizes)
+    return _keep(measure(engine, sizes), path)
+
+
+def _keep(prof: CostProfile, path: Path) -> CostProfile:
+    """A measured profile, cached in `path`."""
     save_profile(path, prof.to_json())
     prof.path = path
     _ANNOUNCED.discard(path)
