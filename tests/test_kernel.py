@@ -223,6 +223,7 @@ def test_a_served_pass_runs_on_numpy_from_the_lookup_to_the_head(tmp_path, kind)
     attn = model.layers[1].self_attn
     assert isinstance(model.layers[1].input_layernorm, kernel.KernelNorm)
     assert isinstance(attn.rope, kernel.KernelRoPE) and isinstance(attn.q_norm, kernel.KernelNorm)
+    assert attn.rope is model.layers[0].self_attn.rope  # one table for the model, not per layer
     logits, hidden = model(tokens, hidden=True)
     assert isinstance(logits, mx.array) and isinstance(hidden, mx.array)
     x = mx.array(h)

@@ -288,8 +288,10 @@ def test_the_package_drafts_cache_is_reused_exactly(package_pair, decoder, sampl
     costs = {True: [1.0 + 0.02 * n for n in SIZES], False: [0.1 + 0.01 * n for n in SIZES]}
     monkeypatch.setattr(
         resources,
-        "load_profile",
-        lambda engine: CostProfile(list(SIZES), costs[not isinstance(engine, DraftWindow)]),
+        "load_profiles",
+        lambda engines: [
+            CostProfile(list(SIZES), costs[not isinstance(e, DraftWindow)]) for e in engines
+        ],
     )
     gen = package_generator(package_pair)
     ref = package_generator(package_pair, prompt_cache_bytes=0)

@@ -1149,12 +1149,14 @@ def _numpy_glue(model: nn.Module) -> None:
     hand out numpy rows, so that a pass runs from the lookup to the head on numpy arrays and
     the kernel's products, with no MLX op (see "Glue" above)."""
     model.model.embed_tokens.numpy_rows = True  # type: ignore[union-attr]
+    rope = None  # one table for every layer (the layers' rotations are the same)
     for _, m in list(model.named_modules()):
         for name, child in list(m.children().items()):
             if type(child) is nn.RMSNorm:
                 m[name] = KernelNorm(child)
         if hasattr(m, "rope") and not isinstance(m.rope, KernelRoPE):
-            m.rope = KernelRoPE(m.rope)
+            rope = KernelRoPE(m.rope) if rope is None else rope  # (a module is an empty dict)
+            m.rope = rope
 
 
 def _layer_products(model: nn.Module) -> list[KernelLinear]:
