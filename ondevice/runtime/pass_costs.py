@@ -343,7 +343,7 @@ def load_profile(
         return found
     if not measure_if_missing:
         return None
-    _say(f"measuring pass costs on this machine, once, into {path} (up to about {BUDGET_S:.0f} s)")
+    _announce(path, BUDGET_S)
     return _measure_into(engine, sizes, path)
 
 
@@ -354,10 +354,7 @@ def load_profiles(engines: Sequence[Engine]) -> list[CostProfile]:
     missing = [i for i, p in enumerate(found) if p is None]
     paths = [profile_path(device_name(), engine_key(engines[i])) for i in missing]
     for path in paths:
-        _say(
-            f"measuring pass costs on this machine, once, into {path} (up to about "
-            f"{BUDGET_S * len(paths):.0f} s)"
-        )
+        _announce(path, BUDGET_S * len(paths))
     if missing:
         measured = measure_together([engines[i] for i in missing])
         for i, path, prof in zip(missing, paths, measured):
@@ -386,6 +383,11 @@ _ANNOUNCED: set[Path] = set()  # stale profiles this process has said it uses sc
 
 def _say(line: str) -> None:
     print(f"ondevice: {line}", file=sys.stderr, flush=True)
+
+
+def _announce(path: Path, seconds: float) -> None:
+    """The line said before a missing profile is measured into `path`."""
+    _say(f"measuring pass costs on this machine, once, into {path} (up to about {seconds:.0f} s)")
 
 
 def _measure_into(engine: Engine, sizes: tuple[int, ...], path: Path) -> CostProfile:
