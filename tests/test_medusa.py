@@ -143,6 +143,7 @@ def test_distill_heads_trains_resumes_and_exports_heads_that_run(verifier, tmp_p
     small = dict(
         data_files=docs, num_heads=3, vocab=80, tokens=6000, seq_len=64, batch_size=64,
         eval_every=10, checkpoint_every=10, learning_rate=3e-3, progress=False,
+        chat_fraction=0.3, gen_batch=4, max_tokens=48,
     )  # fmt: skip
     first = distill_heads(verifier, out, steps=30, **small)
     losses = first["losses"]
@@ -150,6 +151,8 @@ def test_distill_heads_trains_resumes_and_exports_heads_that_run(verifier, tmp_p
     assert first["held_out_loss"] < first["held_out_loss_start"]
     assert len(first["head_agreement"]) == 3
     assert first["documents"] > len(docs)  # the local text filled up --tokens
+    assert first["chat_answers"]["train"] >= 1800 and first["chat_answers"]["held_out"] > 0
+    assert first["data"][0] == "self-written chat answers"
     info = json.loads((out / META).read_text())
     assert info["head_agreement"] == first["head_agreement"] and info["step"] == 30
     with pytest.raises(ondevice.OndeviceError, match="--resume"):
@@ -161,6 +164,44 @@ def test_distill_heads_trains_resumes_and_exports_heads_that_run(verifier, tmp_p
     for prompt in PROMPTS:
         spec = gen.generate(prompt, max_tokens=16, method="medusa")
         assert spec.tokens == gen.generate(prompt, max_tokens=16, speculative=False).tokens
+
+
+def test_self_written_chats_record_the_states_and_targets_of_the_verifiers_own_answers(
+    verifier, tmp_path
+):
+    """The heads' chat data: each recorded hidden state and top-k belongs to the position it is
+    filed under (what a teacher-forced pass over the finished conversation computes there), and
+    the shards hold exactly the answers' positions."""
+    from ondevice.distill.data import answers_only, chat_turn_tokens, magpie_batch
+    from ondevice.distill.medusa import chat_shards
+    from ondevice.runtime.kernel import load_served
+
+    teacher = load_served(verifier)
+    model = teacher.model
+    shard = magpie_batch(model, teacher.tokenizer, batch=3, k=4, max_tokens=40, seed=1000,
+                         hidden=True)  # fmt: skip
+    ends = np.append(shard.starts[1:], len(shard.tokens))
+    assert len(ends) == 3
+    P = len(chat_turn_tokens(teacher.tokenizer)[0])  # the template's opening: prefilled
+    for a, b in zip(shard.starts, ends):
+        logits, h = model(mx.array(shard.tokens[a:b][None]), hidden=True)
+        n = b - a - 1  # the state after the last token is not recorded
+        got, want = shard.hidden[a + P - 1 : a + n], np.array(h[0, P - 1 : n])
+        np.testing.assert_allclose(got, want, atol=2e-2, rtol=1e-2)
+        top = np.array(logits[0, P - 1 : n].argmax(-1))
+        assert (shard.ids[a + P - 1 : a + n, 0] == top).mean() > 0.95
+    answers = answers_only(shard, chat_turn_tokens(teacher.tokenizer)[1])
+    train, held = chat_shards(teacher, tmp_path, 150, k=4, batch=3, max_tokens=40, seed=0)
+    assert [p.name for p in held] == ["chat-00000.npz"] and len(train) >= 1
+    with np.load(held[0]) as z:
+        length, hid, ids = z["length"], z["hidden"], z["ids"]
+    kept = answers.mask.reshape(-1)
+    assert length.sum() == kept.sum() > 0  # batch 0 is the one made above, its answers only
+    first = np.nonzero(kept)[0][: length[0]]
+    np.testing.assert_array_equal(hid[0, : length[0]], shard.hidden[first])
+    np.testing.assert_array_equal(ids[0, : length[0]], shard.ids[first])
+    again = chat_shards(teacher, tmp_path, 150, k=4, batch=3, max_tokens=40, seed=0)
+    assert again == (train, held)  # resumed from the shards, nothing written again
 
 
 def test_cli_distill_heads(verifier, tmp_path):

@@ -12,8 +12,9 @@ DESCRIPTION = (
     "final norm and a subset of its layers, and learns the verifier's top-k next-token "
     "distributions. Without --data the verifier writes its own training conversations "
     "(Magpie). With --heads medusa, train Medusa heads instead (method 'medusa': no draft "
-    "model): on the verifier's hidden states over local text (the documentation and source "
-    "of the installed packages, after any --data files), computed once. Data and checkpoints "
+    "model): on the verifier's hidden states over its own chat answers (--chat-fraction of "
+    "--tokens) and local text (any --data files, then the documentation and source of the "
+    "installed packages), computed once. Data and checkpoints "
     "are kept in OUTPUT.work/, so --resume continues a stopped run; OUTPUT is refreshed at "
     "every checkpoint."
 )
@@ -72,7 +73,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, help="peak learning rate (default: 5e-4; --heads: 1e-3)")
     p.add_argument("--top-k", type=int, default=20, help="teacher probabilities kept per position")
     p.add_argument(
-        "--gen-batch", type=int, default=32, help="conversations generated at once (default: 32)"
+        "--gen-batch",
+        type=int,
+        help="conversations generated at once (default: 32; --heads: 16)",
+    )
+    p.add_argument(
+        "--chat-fraction",
+        type=float,
+        default=0.75,
+        help="--heads: share of --tokens that are the verifier's own chat answers, the rest "
+        "documents (default: 0.75)",
     )
     p.add_argument(
         "--max-tokens", type=int, default=288, help="longest conversation/document piece"
@@ -113,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size or 8,
         seq_len=args.seq_len or 256,
         learning_rate=args.lr or 5e-4,
-        gen_batch=args.gen_batch,
+        gen_batch=args.gen_batch or 32,
         max_tokens=args.max_tokens,
         embed_bits=args.embed_bits or None,
         max_mb=args.max_mb or None,
@@ -156,6 +166,9 @@ def run_heads(args: argparse.Namespace) -> int:
         batch_size=args.batch_size or 256,
         seq_len=args.seq_len or 512,
         learning_rate=args.lr or 1e-3,
+        chat_fraction=args.chat_fraction,
+        gen_batch=args.gen_batch or 16,
+        max_tokens=args.max_tokens,
         **_common(args),
     )
     agree = " ".join(f"{a:.3f}" for a in summary["head_agreement"])

@@ -41,6 +41,9 @@ class Shard:
     logp: np.ndarray  # (N, k) float16: their log-probabilities
     mask: np.ndarray  # (N,) bool: learn at this position
     starts: np.ndarray  # (C,) int64: first index of each conversation
+    # (N, d) float16: the teacher's last hidden state after each position (Medusa heads' input;
+    # only `magpie_batch(..., hidden=True)` records it, and only in memory)
+    hidden: np.ndarray | None = None
 
     @property
     def n_targets(self) -> int:
@@ -105,8 +108,10 @@ def magpie_batch(
     stop_fraction: float = 0.8,
     seed: int = 0,
     on_token: Callable[[int], None] | None = None,
+    hidden: bool = False,
 ) -> Shard:
-    """`batch` self-written conversations (user turn + answer) with the teacher's top-k.
+    """`batch` self-written conversations (user turn + answer) with the teacher's top-k (and
+    with `hidden`, its last hidden state after the final norm, from the same pass).
 
     The batch stops when `stop_fraction` of its conversations have finished (or at
     `max_tokens`): waiting for the longest answer would spend most steps on a few rows.
@@ -116,6 +121,7 @@ def magpie_batch(
     eos = set(tokenizer.eos_token_ids) | {end_user}
     key = mx.random.key(seed)
     P = len(prefix)
+    max_user = min(max_user_tokens, max_tokens // 3)  # short conversations still get answers
     toks = np.zeros((batch, max_tokens), np.int32)
     toks[:, :P] = prefix
     ids = np.zeros((batch, max_tokens, k), np.int32)
@@ -125,9 +131,19 @@ def magpie_batch(
     forced: list[list[int]] = [[] for _ in range(batch)]
     start_answer = np.zeros(batch, np.int32)
     length = np.full(batch, max_tokens, np.int32)
+    states = np.zeros((batch, max_tokens, model.config.hidden_size), np.float16) if hidden else None
+
+    def step(x: np.ndarray) -> mx.array:
+        """The logits after the last of `x`'s tokens (its hidden state into `states`)."""
+        out = model(mx.array(x), cache, last_only=True, hidden=hidden)
+        if states is None:
+            return out[:, -1]
+        logits, h = out
+        states[:, cache.offset - 1] = np.array(h[:, -1].astype(mx.float16))
+        return logits[:, -1]
 
     cache = model.make_cache()
-    logits = model(mx.array(toks[:, :P]), cache)[:, -1]
+    logits = step(toks[:, :P])
     for pos in range(P, max_tokens):
         # logits predict the token at `pos`; their top-k is the teacher's record for pos - 1.
         top_i, top_v = topk_logprobs(logits, k)
@@ -145,7 +161,7 @@ def magpie_batch(
                 nxt_np[b] = toks[b, pos - 1]  # keep feeding something; masked out
                 continue
             mask[b, pos - 1] = True
-            if phase[b] == 0 and (nxt_np[b] == end_user or pos - P >= max_user_tokens):
+            if phase[b] == 0 and (nxt_np[b] == end_user or pos - P >= max_user):
                 phase[b], forced[b] = 1, list(suffix)
             if phase[b] == 1:
                 nxt_np[b] = forced[b].pop(0)
@@ -159,7 +175,7 @@ def magpie_batch(
         if (phase == 3).mean() >= stop_fraction or pos == max_tokens - 1:
             length = np.minimum(length, pos + 1)
             break
-        logits = model(mx.array(nxt_np[:, None]), cache)[:, -1]
+        logits = step(nxt_np[:, None])
 
     keep = [b for b in range(batch) if start_answer[b] and length[b] > start_answer[b] + 2]
     seq_tokens, seq_ids, seq_logp, seq_mask = [], [], [], []
@@ -171,7 +187,12 @@ def magpie_batch(
         seq_ids.append(ids[b, :n])
         seq_logp.append(logp[b, :n])
         seq_mask.append(m)
-    return _pack(seq_tokens, seq_ids, seq_logp, seq_mask, k)
+    shard = _pack(seq_tokens, seq_ids, seq_logp, seq_mask, k)
+    if states is not None:
+        d = states.shape[-1]
+        rows = [states[b, : int(length[b])] for b in keep]
+        shard.hidden = np.concatenate(rows) if rows else np.zeros((0, d), np.float16)
+    return shard
 
 
 def _pack(tokens, ids, logp, mask, k: int) -> Shard:
@@ -274,4 +295,4 @@ def answers_only(shard: Shard, suffix: list[int]) -> Shard:
                 first = a + i + n - 1  # this position predicts the answer's first token
                 break
         mask[a:first] = False
-    return Shard(shard.tokens, shard.ids, shard.logp, mask, shard.starts)
+    return Shard(shard.tokens, shard.ids, shard.logp, mask, shard.starts, shard.hidden)

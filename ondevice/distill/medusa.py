@@ -2,21 +2,27 @@
 
 The recipe (`distill_heads`):
 
-1. **Text.** Documents from `--data` files (read as `read_texts` reads them) and, to make up
-   `tokens`, the documentation and source shipped in the installed packages (`local_documents`:
-   .md, .rst, .txt and .py files under site-packages), every `HELD_OUT_EVERY`-th document held
-   out; cut into pieces of `seq_len` tokens.
-2. **Hidden states, once.** The verifier (float32, `load_teacher`) prefills the pieces in large
+1. **Text.** A share of `tokens` (`chat_fraction`) is the verifier's own chat answers
+   (`chat_shards`: conversations it writes itself, the Magpie method of the draft's data, with
+   its hidden states recorded as it writes); the rest are documents from `--data` files (read
+   as `read_texts` reads them) and the documentation and source shipped in the installed
+   packages (`local_documents`: .md, .rst, .txt and .py files under site-packages), cut into
+   pieces of `seq_len` tokens. Every `HELD_OUT_EVERY`-th conversation batch and about one
+   document token in `HELD_OUT_EVERY` (whole documents) are held out.
+2. **Hidden states, once**, from the verifier as generation serves it on this machine
+   (`kernel.load_served`: on a CPU its bf16 products, so the heads learn from the very states
+   they will read, three times faster than a float32 copy). Documents are prefilled in large
    batches; at every position its last hidden state (after the final norm, float16) and its
-   top-k next-token log-probabilities are stored in shards (`WORK/hidden/{train,held}-*.npz`,
-   each written whole or not at all), so a stopped run resumes with the shards it has, and
-   training never runs the verifier again.
+   top-k next-token log-probabilities are stored in shards (`WORK/hidden/*.npz`, each written
+   whole or not at all), so a stopped run resumes with the shards it has, and training never
+   runs the verifier again.
 3. **Heads.** K residual blocks (`proposers.medusa.MedusaHeads`), initialised to the identity
    (W = 0, b = 0: head k then says what the verifier's head says, as Medusa initialises). Head k
    at position t learns the verifier's distribution for token t+k+1, the teacher's top-k at
    position t+k, by cross-entropy to it renormalised over the first `vocab_subset` ids through
-   the verifier's frozen output matrix (`soft_cross_entropy`, the draft's loss). AdamW, the
-   draft's schedule, one compiled step over `batch` random positions.
+   the verifier's frozen output matrix (`OutputRows`, read once from the served head; the
+   draft's loss `soft_cross_entropy`). AdamW, the draft's schedule, one compiled step over
+   `batch` random positions.
 4. **Checkpoints and export.** The draft trainer's checkpoint (`train.save_checkpoint`:
    weights, Adam state, step, atomic) every `checkpoint_every` steps, and the heads folder
    re-exported each time (`save_heads`, atomic), with the held-out greedy agreement of each
@@ -39,9 +45,16 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ondevice.distill.data import read_texts, save_npz
+from ondevice.distill.data import (
+    Shard,
+    answers_only,
+    chat_turn_tokens,
+    magpie_batch,
+    read_texts,
+    save_npz,
+)
 from ondevice.distill.export import replace_folder
-from ondevice.distill.teacher import Teacher, load_teacher, topk_logprobs
+from ondevice.distill.teacher import topk_logprobs
 from ondevice.distill.train import (
     CHECKPOINT,
     TrainConfig,
@@ -54,21 +67,25 @@ from ondevice.distill.train import (
     work_folder,
 )
 from ondevice.errors import OndeviceError
+from ondevice.models import LoadedModel
+from ondevice.models.transformer import Model, _head_rows
 from ondevice.proposers.medusa import (
     META,
     WEIGHTS,
     HeadsInfo,
     MedusaHeads,
-    head_logits,
     heads_cache_path,
     verifier_fingerprint,
 )
+from ondevice.runtime.kernel import load_served
 
 HELD_OUT_EVERY = 20  # about one token in 20 is held out (whole documents) to estimate acceptance
 SUFFIXES = (".md", ".rst", ".txt", ".py")
 MAX_FILE_BYTES = 200_000  # long generated files (tables, vendored data) say little per byte
 ROWS_PER_SHARD = 32
 PIECES_PER_DOCUMENT = 4  # a long file says less per token than a new one
+CHAT_FRACTION = 0.75  # of the training tokens, the verifier's own answers (the rest: documents)
+GEN_BATCH = 16  # conversations written at once: a pass over 16 tokens costs little more than one
 
 
 def local_documents() -> list[Path]:
@@ -115,7 +132,7 @@ def identity_heads(hidden_size: int, num_heads: int) -> MedusaHeads:
 # -- hidden states, computed once ----------------------------------------------------------------
 
 
-def _pieces(teacher: Teacher, files: list[str] | None, tokens: int, seq_len: int) -> tuple[
+def _pieces(teacher: LoadedModel, files: list[str] | None, tokens: int, seq_len: int) -> tuple[
     list[np.ndarray], list[np.ndarray], list[str]
 ]:  # fmt: skip
     """(train pieces, held-out pieces, sources used): documents (their first
@@ -164,7 +181,7 @@ def _pieces(teacher: Teacher, files: list[str] | None, tokens: int, seq_len: int
 
 
 def hidden_shards(
-    teacher: Teacher,
+    teacher: LoadedModel,
     folder: Path,
     name: str,
     pieces: list[np.ndarray],
@@ -195,15 +212,117 @@ def hidden_shards(
             logits, h = teacher.model(mx.array(x), hidden=True)
             top_i, top_v = topk_logprobs(logits, k)
             mx.eval(h, top_i, top_v)
-            hid.append(np.array(h.astype(mx.float16)))
-            ids.append(np.array(top_i).astype(np.int32))
-            logp.append(np.array(top_v).astype(np.float16))
+            h16, top_i, top_v = np.array(h.astype(mx.float16)), np.array(top_i), np.array(top_v)
+            for r, p in enumerate(group):
+                hid.append(h16[r, : len(p)])
+                ids.append(top_i[r, : len(p)])
+                logp.append(top_v[r, : len(p)])
             if bar is not None:
                 bar.update(sum(len(p) for p in group))
-        length = np.array([len(p) for p in part], np.int32)
-        save_npz(path, hidden=np.concatenate(hid), ids=np.concatenate(ids),
-                 logp=np.concatenate(logp), length=length)  # fmt: skip
+        save_rows(path, hid, ids, logp)
     return paths
+
+
+def save_rows(path: Path, hidden: list[np.ndarray], ids: list[np.ndarray],
+              logp: list[np.ndarray]) -> None:  # fmt: skip
+    """One shard of rows (a piece or a conversation's answer each): hidden (R, L, d) float16,
+    top-k ids (R, L, k) int32 and log-probabilities (R, L, k) float16, right-padded to the
+    longest row, and each row's length; written whole."""
+    L = max((len(h) for h in hidden), default=0)
+
+    def padded(rows: list[np.ndarray], dtype: Any) -> np.ndarray:
+        out = np.zeros((len(rows), L, *rows[0].shape[1:]), dtype) if rows else np.zeros((0, 0))
+        for r, a in enumerate(rows):
+            out[r, : len(a)] = a
+        return out
+
+    length = np.array([len(h) for h in hidden], np.int32)
+    save_npz(path, hidden=padded(hidden, np.float16), ids=padded(ids, np.int32),
+             logp=padded(logp, np.float16), length=length)  # fmt: skip
+
+
+def chat_shards(
+    teacher: LoadedModel,
+    folder: Path,
+    tokens: int,
+    *,
+    k: int,
+    batch: int = GEN_BATCH,
+    max_tokens: int = 288,
+    seed: int = 0,
+    bar: Any = None,
+) -> tuple[list[Path], list[Path]]:
+    """(train shards, held-out shards) of the verifier's own chat answers with its hidden states:
+    `folder/chat-*.npz`, one per batch of `batch` conversations it writes itself
+    (`data.magpie_batch`: a user turn, then its answer), each answer a row from the position that
+    predicts its first token. Batch i is held out where i % HELD_OUT_EVERY == 0 (the first is,
+    so a short run has an estimate too). Batches are written until the train ones hold `tokens`
+    positions; existing shards are kept (a stopped run resumes)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    suffix = chat_turn_tokens(teacher.tokenizer)[1]
+    train: list[Path] = []
+    held: list[Path] = []
+    have, i, empty = 0, 0, 0
+    while have < tokens:
+        path = folder / f"chat-{i:05d}.npz"
+        if not path.exists():
+            shard = magpie_batch(teacher.model, teacher.tokenizer, batch=batch, k=k,
+                                 max_tokens=max_tokens, seed=1000 + seed * 100003 + i,
+                                 hidden=True)  # fmt: skip
+            save_rows(path, *_answer_rows(answers_only(shard, suffix)))
+        with np.load(path) as z:
+            n = int(z["length"].sum())
+        empty = 0 if n else empty + 1
+        if empty >= 3:
+            raise OndeviceError(
+                f"{teacher.path}: three batches of self-written conversations held no answer "
+                "(the verifier does not answer through its chat template); pass --data files "
+                "and --chat-fraction 0."
+            )
+        (held if i % HELD_OUT_EVERY == 0 else train).append(path)
+        have += n if i % HELD_OUT_EVERY else 0
+        if bar is not None:
+            bar.update(n)
+        i += 1
+    return train, held
+
+
+def _answer_rows(shard: Shard) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Each conversation's answer positions (those `answers_only` keeps: contiguous, from the
+    one predicting the answer's first token) as (hidden, ids, log-probs) rows."""
+    assert shard.hidden is not None, "magpie_batch(..., hidden=True) records the states"
+    hid, ids, logp = [], [], []
+    ends = np.append(shard.starts[1:], len(shard.tokens))
+    for a, b in zip(shard.starts, ends):
+        kept = np.nonzero(shard.mask[a:b])[0]
+        if len(kept) < 2:
+            continue
+        lo, hi = a + kept[0], a + kept[-1] + 1
+        hid.append(shard.hidden[lo:hi])
+        ids.append(shard.ids[lo:hi])
+        logp.append(shard.logp[lo:hi])
+    return hid, ids, logp
+
+
+class OutputRows:
+    """The verifier's output layer over its first `vocab` ids as a float32 MLX product, read
+    once from the model as it is served (multiplying the identity reads each row back: exactly
+    for float and bf16 weights), so the heads' training differentiates through what `head_logits`
+    computes at generation and keeps no verifier in memory."""
+
+    def __init__(self, model: Model, vocab: int):
+        d = model.config.hidden_size
+        head = model.head
+        bias = _head_rows(head, mx.zeros((1, d)), vocab)[0] if "bias" in head else None
+        self.weight_t = _head_rows(head, mx.eye(d), vocab)  # (d, vocab)
+        if bias is not None:
+            self.weight_t = self.weight_t - bias
+        self.bias = bias
+        mx.eval(self.weight_t, *(() if bias is None else (bias,)))
+
+    def __call__(self, states: mx.array) -> mx.array:
+        out = states @ self.weight_t
+        return out if self.bias is None else out + self.bias
 
 
 class Positions:
@@ -215,8 +334,12 @@ class Positions:
         hid, ids, logp, length = [], [], [], []
         for p in paths:
             with np.load(p) as z:
+                if not len(z["length"]):
+                    continue  # a batch of conversations that held no answer
                 hid.append(z["hidden"]), ids.append(z["ids"]), logp.append(z["logp"])
                 length.append(z["length"])
+        if not hid:
+            raise OndeviceError(f"no positions to train or check heads on in {paths[:1]} ...")
         L = max(h.shape[1] for h in hid)
         pad = lambda a: np.pad(a, [(0, 0), (0, L - a.shape[1])] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
         self.hidden = np.concatenate([pad(h) for h in hid])
@@ -253,7 +376,7 @@ class Positions:
 
 def heads_loss(
     heads: MedusaHeads,
-    teacher: Any,
+    out: OutputRows,
     h: mx.array,
     ids: mx.array,
     logp: mx.array,
@@ -262,19 +385,19 @@ def heads_loss(
 ) -> tuple[mx.array, mx.array]:
     """Mean cross-entropy of every head to its teacher distribution, and per head the share of
     positions where its argmax is the teacher's top token."""
-    logits = head_logits(teacher, heads(h), vocab)  # (P, K, vocab)
+    logits = out(heads(h))  # (P, K, vocab)
     return soft_cross_entropy(logits, ids, logp, weight, vocab, per_head=True)
 
 
 def evaluate_heads(
-    heads: MedusaHeads, teacher: Any, held: Positions, vocab: int
+    heads: MedusaHeads, out: OutputRows, held: Positions, vocab: int
 ) -> tuple[float, list[float]]:
     """Held-out loss and each head's greedy agreement with the verifier (head k's top token is
     the verifier's top token k+1 positions on: the acceptance estimate of a depth-k guess)."""
     tot_l, agree, n = 0.0, np.zeros(held.K), np.zeros(held.K)
     for i in range(0, held.n, 256):
         h, ids, logp, w = held.gather(np.arange(i, min(i + 256, held.n)))
-        loss, a = heads_loss(heads, teacher, h, ids, logp, w, vocab)
+        loss, a = heads_loss(heads, out, h, ids, logp, w, vocab)
         ws = np.array(w.sum(0))
         tot_l += float(loss) * float(ws.sum())
         agree += np.array(a) * ws
@@ -297,16 +420,24 @@ def distill_heads(
     seq_len: int = 512,
     learning_rate: float = 1e-3,
     top_k: int = 20,
+    chat_fraction: float = CHAT_FRACTION,
+    gen_batch: int = GEN_BATCH,
+    max_tokens: int = 288,
     work_dir: str | Path | None = None,
     seed: int = 0,
     eval_every: int = 100,
     checkpoint_every: int = 50,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train Medusa heads for `verifier` into the folder `output`; returns the run's summary."""
+    """Train Medusa heads for `verifier` into the folder `output`; returns the run's summary.
+
+    chat_fraction: the share of `tokens` that are the verifier's own chat answers (conversations
+    of at most `max_tokens`, `gen_batch` written at once); the rest are documents."""
     output, t0 = Path(output), time.time()
+    if not 0.0 <= chat_fraction <= 1.0:
+        raise OndeviceError(f"--chat-fraction must be between 0 and 1, not {chat_fraction}.")
     work = work_folder(output, work_dir, resume)
-    teacher = load_teacher(verifier)
+    teacher = load_served(verifier)
     tcfg = teacher.config
     vocab = min(vocab or tcfg.vocab_size, tcfg.vocab_size)
     if num_heads < 1:
@@ -315,20 +446,30 @@ def distill_heads(
         [], vocab, seq_len, batch_size, learning_rate, steps=steps, minutes=minutes,
         embed_bits=None, seed=seed, eval_every=eval_every, checkpoint_every=checkpoint_every,
         extra={"heads": "medusa", "num_heads": num_heads, "top_k": top_k,
-               "data": sorted(map(str, data_files or []))},
+               "data": sorted(map(str, data_files or [])), "chat_fraction": chat_fraction,
+               "gen_batch": gen_batch, "max_tokens": max_tokens},
     )  # fmt: skip
     if resume:
         _check_resume(work, cfg)
-    train_pieces, held_pieces, used = _pieces(teacher, data_files, tokens, seq_len)
-    train_paths, held_paths = _hidden_states(
-        teacher, work / "hidden", train_pieces, held_pieces, top_k, progress
-    )
+    chat_tokens = round(tokens * chat_fraction)
+    train_pieces, held_pieces, used = [], [], []
+    if tokens > chat_tokens:  # documents (--data files first) make up the rest
+        train_pieces, held_pieces, used = _pieces(
+            teacher, data_files, tokens - chat_tokens, seq_len
+        )
+    paths = _hidden_states(
+        teacher, work / "hidden", train_pieces, held_pieces, top_k, progress,
+        chats=dict(tokens=chat_tokens, batch=gen_batch, max_tokens=max_tokens, seed=seed),
+    )  # fmt: skip
     data_time = time.time() - t0
-    train_pos, held_pos = Positions(train_paths, num_heads), Positions(held_paths, num_heads)
+    train_pos, held_pos = Positions(paths[0], num_heads), Positions(paths[1], num_heads)
     model = teacher.model
-    model.freeze()
-    recipe = _recipe(verifier, data_files, len(used), train_pieces, held_pieces, cfg)
+    recipe = _recipe(verifier, data_files, len(used), train_pos, held_pos, cfg)
+    recipe["chat_answers"] = {"train": _rows(paths[2]), "held_out": _rows(paths[3])}
     info = HeadsInfo(verifier_fingerprint(model), tcfg.hidden_size, num_heads, vocab)
+    cache_path = heads_cache_path(model)
+    out_rows = OutputRows(model, vocab)
+    del model, teacher  # training needs only the output rows: the verifier's memory goes back
 
     heads = identity_heads(tcfg.hidden_size, num_heads)
     opt = optim.AdamW(learning_rate=learning_rate, weight_decay=0.0)
@@ -339,7 +480,7 @@ def distill_heads(
         step, elapsed = load_checkpoint(work / CHECKPOINT, heads, opt)  # type: ignore[arg-type]
     else:
         summary["held_out_loss_start"], summary["head_agreement_start"] = evaluate_heads(
-            heads, model, held_pos, vocab
+            heads, out_rows, held_pos, vocab
         )
 
     def checkpoint(step: int, seconds: float) -> None:
@@ -349,16 +490,16 @@ def distill_heads(
         info.extra = {**recipe, **kept, "data_time_s": round(data_time, 1)}
         save_heads(heads, info, output)
 
-    step = _train_loop(heads, opt, model, train_pos, held_pos, cfg, summary, checkpoint,
+    step = _train_loop(heads, opt, out_rows, train_pos, held_pos, cfg, summary, checkpoint,
                        step=step, elapsed=elapsed, progress=progress)  # fmt: skip
     if "head_agreement" not in summary:
         summary["held_out_loss"], summary["head_agreement"] = evaluate_heads(
-            heads, model, held_pos, vocab
+            heads, out_rows, held_pos, vocab
         )
     checkpoint(step, summary.get("train_time_s", elapsed))
     print(
         f"use them with heads={str(output)!r} (--heads {output}), or copy {output} to "
-        f"{heads_cache_path(model)} where method 'medusa' finds them by itself",
+        f"{cache_path} where method 'medusa' finds them by itself",
         file=sys.stderr,
     )
     return {**recipe, **summary, "data_time_s": round(data_time, 1)}
@@ -368,17 +509,20 @@ def _recipe(
     verifier: str | Path,
     data_files: list[str] | None,
     documents: int,
-    train_pieces: list[np.ndarray],
-    held_pieces: list[np.ndarray],
+    train: Positions,
+    held: Positions,
     cfg: TrainConfig,
 ) -> dict[str, Any]:
     """What the heads were trained on and how, as heads.json records it."""
+    sources = ["self-written chat answers"] if cfg.extra["chat_fraction"] else []
+    if documents:
+        sources += (["--data"] if data_files else []) + ["site-packages .md/.rst/.txt/.py"]
     return {
         "verifier": str(verifier),
-        "data": (["--data"] if data_files else []) + ["site-packages .md/.rst/.txt/.py"],
+        "data": sources,
         "documents": documents,
-        "train_tokens": int(sum(len(p) for p in train_pieces)),
-        "held_out_tokens": int(sum(len(p) for p in held_pieces)),
+        "train_tokens": int(train.length.sum()),
+        "held_out_tokens": int(held.length.sum()),
         "top_k": cfg.extra["top_k"],
         "train": {k: v for k, v in asdict(cfg).items() if k not in ("extra", "layers")},
     }
@@ -387,7 +531,7 @@ def _recipe(
 def _train_loop(
     heads: MedusaHeads,
     opt: optim.Optimizer,
-    model: Any,
+    out_rows: OutputRows,
     train_pos: Positions,
     held_pos: Positions,
     cfg: TrainConfig,
@@ -402,7 +546,7 @@ def _train_loop(
     per batch, held-out agreement every `eval_every` steps into `summary`, `checkpoint(step,
     seconds)` every `checkpoint_every` and at the end. Returns the last step."""
     vocab, minutes = cfg.vocab, cfg.minutes
-    loss_grad = nn.value_and_grad(heads, partial(heads_loss, teacher=model, vocab=vocab))
+    loss_grad = nn.value_and_grad(heads, partial(heads_loss, out=out_rows, vocab=vocab))
     state = [heads.state, opt.state]
 
     @partial(mx.compile, inputs=state, outputs=state)
@@ -427,7 +571,7 @@ def _train_loop(
         ema = float(loss) if ema is None else 0.9 * ema + 0.1 * float(loss)
         tbar.update(min(int(time.time() - start), tbar.total) - tbar.n if minutes else 1)
         if step % cfg.eval_every == 0 or finished():
-            summary["held_out_loss"], acc = evaluate_heads(heads, model, held_pos, vocab)
+            summary["held_out_loss"], acc = evaluate_heads(heads, out_rows, held_pos, vocab)
             summary["head_agreement"] = acc
         post = {"step": step, "loss": f"{ema:.3f}"}
         if acc is not None:
@@ -454,27 +598,47 @@ def _check_resume(work: Path, cfg: TrainConfig) -> None:
 
 
 def _hidden_states(
-    teacher: Any,
+    teacher: LoadedModel,
     hidden: Path,
     train_pieces: list[np.ndarray],
     held_pieces: list[np.ndarray],
     top_k: int,
     progress: bool,
-) -> tuple[list[Path], list[Path]]:
-    """The verifier's hidden states and top-k targets over both splits, computed once into
-    shards under `hidden` (a rerun starts where the last stopped), with a progress bar."""
+    *,
+    chats: dict[str, int],
+) -> tuple[list[Path], list[Path], list[Path], list[Path]]:
+    """The verifier's hidden states and top-k targets, computed once into shards under `hidden`
+    (a rerun starts where the last stopped), with a progress bar: its own chat answers
+    (`chat_shards` with `chats`' options) and the documents' pieces. Returns (train shards, held
+    shards, the chat ones among them: train, held)."""
     from tqdm import tqdm
 
-    n_tok = sum(len(p) for p in train_pieces) + sum(len(p) for p in held_pieces)
+    n_chat = chats["tokens"] + chats["tokens"] // (HELD_OUT_EVERY - 1)  # held batches too
+    n_tok = n_chat + sum(len(p) for p in train_pieces) + sum(len(p) for p in held_pieces)
     bar = tqdm(total=n_tok, unit="tok", desc="verifier states", disable=not progress,
                dynamic_ncols=True)  # fmt: skip
+    chat_train: list[Path] = []
+    chat_held: list[Path] = []
+    if chats["tokens"]:
+        chat_train, chat_held = chat_shards(teacher, hidden, chats.pop("tokens"), k=top_k, bar=bar,
+                                            **chats)  # fmt: skip
+        bar.n = min(bar.n, n_chat)
     done = sum(len(p) for p in _done_pieces(hidden, "train", train_pieces))
     done += sum(len(p) for p in _done_pieces(hidden, "held", held_pieces))
     bar.update(done)
     train_paths = hidden_shards(teacher, hidden, "train", train_pieces, k=top_k, bar=bar)
     held_paths = hidden_shards(teacher, hidden, "held", held_pieces, k=top_k, bar=bar)
     bar.close()
-    return train_paths, held_paths
+    return chat_train + train_paths, chat_held + held_paths, chat_train, chat_held
+
+
+def _rows(paths: list[Path]) -> int:
+    """Positions in row shards."""
+    total = 0
+    for p in paths:
+        with np.load(p) as z:
+            total += int(z["length"].sum())
+    return total
 
 
 def _done_pieces(folder: Path, name: str, pieces: list[np.ndarray]) -> list[np.ndarray]:

@@ -1096,6 +1096,21 @@ def serve_pair(verifier: nn.Module, draft: nn.Module | None) -> None:
         serve(draft, draft_choice(), draft=True)
 
 
+def load_served(name: str | Path) -> Any:
+    """A model (`models.LoadedModel`) as `ondevice.load` serves a verifier on this machine: on a
+    CPU dequantized, its weights read in the kernel's dtype and its products the kernel's (MLX's
+    quantized products on a CPU are several times slower); elsewhere as loaded (MLX on Metal).
+    What a tool that runs a verifier outside `ondevice.load` uses, so that what it sees (hidden
+    states, pass costs, acceptance) is what generation will see."""
+    from ondevice.models import load_model
+
+    if mx.default_device() != mx.cpu:
+        return load_model(name)
+    loaded = load_model(name, dequantize=True, product_dtype=weight_dtype())
+    serve(loaded.model)
+    return loaded
+
+
 def _swap(model: nn.Module, kind: str, threads: int) -> None:
     """`serve`'s swap of every product for a `KernelLinear` of `kind` (bf16 or f32)."""
     # float32 weights, or bfloat16 ones the loader rounded for this kernel (`weight_dtype`) in a
