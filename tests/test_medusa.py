@@ -247,6 +247,37 @@ def test_the_tree_holds_the_best_paths_by_the_product_of_head_probabilities(veri
     assert prop.predicted[1] == pytest.approx(1 + 0.95) and prop.predicted[2] == pytest.approx(1.56)
 
 
+def test_in_auto_the_heads_draft_from_the_latest_state_whoever_proposed(verifier, heads):
+    """auto shows the heads every round's verdict: after rounds of plain steps, their next
+    guesses start from the state at the last accepted token, not the one of their own last
+    round; only their own trees calibrate them."""
+    from ondevice.proposers.auto import AutoProposer
+    from ondevice.proposers.base import NoProposal, Verification, fixed_budget
+    from ondevice.proposers.medusa import MedusaProposer
+    from ondevice.rules.noise import PositionNoise
+    from ondevice.runtime.pass_costs import CostProfile
+
+    model = load_model(verifier).model
+    loaded, info = load_heads(heads, model)
+    medusa = MedusaProposer(model, loaded, info, depth=2, budget=fixed_budget(3))
+    auto = AutoProposer([NoProposal(), medusa], CostProfile([1], [1.0]))
+    auto.reset([1, 2])
+    d = model.config.hidden_size
+    seq, names = [1, 2], []
+    auto._choose = lambda room: len(names) % 2  # type: ignore[method-assign]  # alternate
+    for r in range(6):
+        tree = auto.propose(seq, 4, PositionNoise(0))
+        before = medusa.predicted.copy()
+        hidden = np.full((len(tree), d), float(r), np.float32)
+        auto.observe(seq, tree, Verification([], 5, np.zeros(len(tree), int), hidden))
+        assert np.array_equal(medusa.state, hidden[0])  # the latest, whoever proposed
+        if auto.last_name != "medusa":
+            assert np.array_equal(medusa.predicted, before)  # another's tree: no calibration
+        seq = seq + [5]
+        names.append(auto.last_name)
+    assert "medusa" in names and len(set(names)) == 2  # both kinds of round were checked
+
+
 def test_server_without_heads_answers_a_clear_error(verifier, tmp_path, monkeypatch):
     import openai
 

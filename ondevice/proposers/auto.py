@@ -166,6 +166,9 @@ class AutoProposer:
     def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         i = self._current
         self.proposers[i].observe(seq, tree, verdict)
+        for j, p in enumerate(self.proposers):  # a reader of the verifier's hidden states
+            if j != i and wants_hidden(p):  # drafts from the latest, whoever proposed
+                p.observe(seq, tree, verdict)
         path = verdict.path
         secs = float(self.verify_cost(len(tree))) + self._draft_work() - self._work
         self.committed += len(path) + 1

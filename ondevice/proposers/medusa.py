@@ -211,6 +211,7 @@ class MedusaProposer:
         # (`Calibrations`: the pair's, or the prior); the heads' confidence is not their accuracy
         self.predicted, self.realised = calibration or Calibrations().get("medusa", self.depth + 2)
         self._pred: np.ndarray | None = None
+        self._tree: TokenTree | None = None  # this proposer's last tree (`observe` calibrates it)
 
     def reset(self, prompt: Sequence[int]) -> None:
         self.state = None
@@ -256,18 +257,22 @@ class MedusaProposer:
         for parent, token, raw, _ in nodes[:n]:
             node = tree.add(parent, token)
             pred[min(tree.depths[node], len(pred) - 1)] += raw
-        self._pred = pred
+        self._pred, self._tree = pred, tree
         return tree
 
     def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
+        """A verification's outcome: the state at its last accepted node is where the next
+        guesses come from, whoever built the tree (`auto` shows this proposer every round);
+        only its own trees calibrate its confidence."""
         hidden = verdict.hidden
         assert hidden is not None, "the tree decoder did not hand over the hidden states"
         self.state = np.asarray(hidden[verdict.path[-1] if verdict.path else 0], np.float32)
-        if self._pred is not None:
+        if self._pred is not None and tree is self._tree:
             depths = np.arange(len(self.predicted))
             tried = self._pred > 0
             self.predicted += self._pred
             self.realised += tried & (depths >= 1) & (depths <= len(verdict.path))
+        self._pred = self._tree = None
 
 
 _LOADED: dict[tuple[str, float], tuple[MedusaHeads, HeadsInfo]] = {}  # this process's heads
