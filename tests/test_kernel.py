@@ -207,6 +207,48 @@ def test_attention_computes_what_mlx_does(heads, kv_heads, L, S, mask, monkeypat
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("prefix", "nodes"), [(140, 6), (120, 20), (250, 12)])
+def test_a_tree_nodes_attention_is_bitwise_a_pass_over_its_path_alone(prefix, nodes):
+    """A token tree's node attends to its ancestors, which sit among the pass's other nodes; its
+    row must be bitwise the row of a pass that fed only its path (where they sit side by side),
+    or a tree verification can flip a near-tied greedy token against plain decoding (it did on
+    Spec-Bench: the 1.5B verifier's humanities answer 156 at token 93). The 1.5B's attention
+    shapes (12 heads over 2 key heads of 128), the real key block, trees that cross a block."""
+    r = np.random.default_rng(prefix)
+    H, KV, D = 12, 2, 128
+    parents = (
+        [-1, 0, 0, 2, 1, 3]
+        if nodes == 6
+        else [-1] + [int(r.integers(0, i)) for i in range(1, nodes)]
+    )
+    sees = np.zeros((nodes, nodes), bool)
+    for i in range(nodes):
+        j = i
+        while j >= 0:
+            sees[i, j], j = True, parents[j]
+    cached_k, cached_v, own_k, own_v = (
+        r.standard_normal((1, KV, n, D)).astype(np.float32) for n in (prefix, prefix, nodes, nodes)
+    )
+    q = r.standard_normal((1, H, nodes, D)).astype(np.float32)
+    k, v = np.concatenate([cached_k, own_k], 2), np.concatenate([cached_v, own_v], 2)
+    mask = np.where(sees, 0.0, -np.inf).astype(np.float32)
+    mask = np.concatenate([np.zeros((nodes, prefix), np.float32), mask], 1)
+    tree = kernel.attention(q, k, v, scale=D**-0.5, mask=mask)
+    branched = 0
+    for i in range(nodes):
+        path = np.nonzero(sees[i])[0]
+        branched += path.tolist() != list(range(len(path)))
+        alone = kernel.attention(
+            q[:, :, i : i + 1],
+            np.concatenate([cached_k, own_k[:, :, path]], 2),
+            np.concatenate([cached_v, own_v[:, :, path]], 2),
+            scale=D**-0.5,
+            mask=None,
+        )
+        np.testing.assert_array_equal(tree[:, :, i], alone[:, :, 0], err_msg=f"node {i}")
+    assert branched >= 3  # the rows that differed before the fix: ancestors with gaps
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_served_pass_runs_on_numpy_from_the_lookup_to_the_head(tmp_path, kind):
     """Between its products a served model's pass makes no MLX op: the embedding hands out

@@ -688,6 +688,13 @@ def attention(
     hands the work to MLX's stream thread and waits for it (see "Glue" above). numpy's `exp`
     runs one vectorised loop over the contiguous scores, so an element's value does not depend
     on where in the array it sits.
+
+    A token tree's pass: a node's own keys (its ancestors among the pass's tokens) are not the
+    pass's first ones once the tree branches, and a block's sums over keys with masked ones
+    between them are not the sums a pass that fed only the node's path takes over the same keys
+    side by side (the additions associate differently: 0.04 apart in the 1.5B's logits, enough
+    to flip a near-tied greedy token). Such rows' last blocks are taken again with their visible
+    keys moved up behind the cached ones (`_path_layout`), as that pass lays them out.
     """
     qn, kn, vn = _np(q), _np(k), _np(v)
     B, H, L, D = qn.shape
@@ -722,12 +729,86 @@ def attention(
     np.exp(s, out=s)
     sums = s.sum(axis=-1)  # (B, kv_heads, L, nb, rep): one block's keys each
     outs = s @ vp.reshape(B, kv_heads, 1, nb, blk, Dv)  # (B, kv_heads, L, nb, rep, Dv)
+    if mask is not None and not isinstance(mask, str) and L > 1:
+        _path_layout(mask, s, vp, sums, outs, S)
     total, out = sums[:, :, :, 0].copy(), outs[:, :, :, 0].copy()
     for b in range(1, nb):  # the blocks in order: a row's sums do not depend on nb
         total += sums[:, :, :, b]
         out += outs[:, :, :, b]
     out /= total[..., None]
     return _like(q, out.transpose(0, 1, 3, 2, 4).reshape(B, H, L, Dv))
+
+
+_PATHS: list[Any] = [None, None]  # (the pass's mask, `_paths` of it): one pass, many layers
+
+
+def _paths(mask: Any, S: int, L: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per batch row of `mask` (additive or boolean, broadcastable to (B, 1, L, S)): the rows
+    whose visible keys among the pass's own L are not its first ones, and for each the key
+    slots of its last blocks as a pass over its path alone lays them out (the cached keys from
+    the block holding the first of the pass's own, then its visible own keys) with which of
+    them are real: (rows (R,), slots (R, T), real (R, T)). Empty where no row is such (a causal
+    pass, a chain, plain steps). Computed once per pass (every layer gets the same mask)."""
+    if _PATHS[0] is mask:
+        return _PATHS[1]
+    m = np.asarray(mask)
+    m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+    visible = m[..., S - L :] == 0 if m.dtype != np.bool_ else m[..., S - L :]
+    if visible.shape[1] != 1:  # a mask per head: no tree pass makes one
+        visible = visible.all(axis=1, keepdims=True) if (visible == visible[:, :1]).all() else None
+    out = []
+    for vis in [] if visible is None else visible[:, 0]:  # (L, L) per batch row
+        first = np.cumsum(vis, axis=1) == np.arange(1, L + 1)  # visible keys 0..j all visible
+        scattered = np.nonzero(vis.sum(1) != (first & vis).sum(1))[0]
+        if not len(scattered):
+            out.append((scattered, np.zeros((0, 0), np.int64), np.zeros((0, 0), bool)))
+            continue
+        base = S - L
+        start = base // KEY_BLOCK * KEY_BLOCK
+        own = [np.nonzero(vis[r])[0] for r in scattered]
+        T = -(-(base - start + max(len(o) for o in own)) // KEY_BLOCK) * KEY_BLOCK
+        slots = np.zeros((len(scattered), T), np.int64)
+        real = np.zeros((len(scattered), T), bool)
+        for i, o in enumerate(own):
+            keys = np.concatenate([np.arange(start, base), base + o])
+            slots[i, : len(keys)], real[i, : len(keys)] = keys, True
+        out.append((scattered, slots, real))
+    _PATHS[:] = [mask, out]
+    return out
+
+
+def _path_layout(
+    mask: Any, p: np.ndarray, vp: np.ndarray, sums: np.ndarray, outs: np.ndarray, S: int
+) -> None:
+    """`attention`'s per-block sums and weighted values of a tree pass's branched rows (see
+    `_paths`), taken again in place over their keys as a pass over their path lays them out:
+    the blocks before the pass's own keys are the same in both; from the block holding the
+    first of them on, each such row gets its keys gathered side by side (the weights `p` are
+    elementwise, so gathering them is exact), summed and multiplied in blocks of the same shape
+    as that pass's, and exact zeros for the blocks its path does not reach."""
+    B, kv_heads, L, nb, rep, blk = p.shape
+    b0 = (S - L) // blk
+    for b, (rows, slots, real) in enumerate(_paths(mask, S, L)):
+        if not len(rows):
+            continue
+        R, T = slots.shape
+        nt = T // blk
+        # the weights of these rows, keys last: (kv_heads, R, rep, nb * blk)
+        w = (
+            p[b if p.shape[0] > 1 else 0][:, rows]
+            .transpose(0, 1, 3, 2, 4)
+            .reshape(kv_heads, R, rep, nb * blk)
+        )
+        w = np.take_along_axis(w, slots[None, :, None, :], axis=-1)  # (kv_heads, R, rep, T)
+        w *= real[None, :, None, :]
+        blocks = np.ascontiguousarray(w.reshape(kv_heads, R, rep, nt, blk).transpose(0, 1, 3, 2, 4))
+        vals = vp[b][:, slots]  # (kv_heads, R, T, Dv)
+        vals[:, ~real] = 0
+        Dv = vals.shape[-1]
+        sums[b][:, rows, b0 : b0 + nt] = blocks.sum(axis=-1)
+        sums[b][:, rows, b0 + nt :] = 0
+        outs[b][:, rows, b0 : b0 + nt] = blocks @ vals.reshape(kv_heads, R, nt, blk, Dv)
+        outs[b][:, rows, b0 + nt :] = 0
 
 
 def silu_gate(gate: mx.array, up: mx.array) -> mx.array:
