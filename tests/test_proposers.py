@@ -372,6 +372,39 @@ def test_auto_keeps_a_candidate_that_finds_nothing_at_times_over_plain_steps():
     assert both == pytest.approx(alone)
 
 
+class _Unlucky(_Fixed):
+    """A draft's tree on a text it suits, whose first round of each answer finds nothing."""
+
+    def reset(self, prompt):
+        self.first = True
+
+    def propose(self, seq, max_depth, noise):
+        self.good, self.first = (0 if self.first else 3), False
+        return super().propose(seq, max_depth, noise)
+
+
+def test_auto_starts_an_answer_from_what_earlier_answers_learnt():
+    """Alone, the first unlucky round spends the tries' budget and plain steps take the rest of
+    the answer (Spec-Bench humanities 156: 95 plain rounds of 96). With the pair's memory the
+    tree's earlier score outweighs one round, and the answer runs at the tree's pace. (Costs
+    as there: a round of the tree, with its draft's steps, costs about two plain steps.)"""
+    cost = CostProfile([1, 8], [1.0, 2.2])
+    alone = _short_answer(AutoProposer([_Unlucky("tree", 6, 3)], cost), cost, 96)
+    forgetful = _short_answer(AutoProposer([NoProposal(), _Unlucky("tree", 6, 3)], cost), cost, 96)
+    assert forgetful < 0.8 * alone  # what happened without it
+    memory: dict = {}
+    first = _short_answer(
+        AutoProposer([NoProposal(), _Unlucky("tree", 6, 3)], cost, memory=memory), cost, 96
+    )
+    assert first == pytest.approx(forgetful) and "tree" in memory  # nothing known yet
+    memory["tree"] = (4.0, 2.0)  # an earlier answer where the tree paid
+    second = _short_answer(
+        AutoProposer([NoProposal(), _Unlucky("tree", 6, 3)], cost, memory=memory), cost, 96
+    )
+    assert second >= 0.97 * alone
+    assert memory["tree"][0] / memory["tree"][1] > 1.0  # and it remembers this answer too
+
+
 def test_auto_knows_plain_steps_without_trying_them():
     cost = CostProfile([1, 8], [1.0, 1.5])
     good = _Fixed("pld", 3, 3)

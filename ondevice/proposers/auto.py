@@ -43,6 +43,13 @@ class AutoProposer:
     lookup copying a passage, even a plain step is a loss); a long answer affords tries in
     proportion.
 
+    A generation starts from what the pair's earlier generations learnt of each candidate
+    (`memory`, kept in the pair's `Calibrations` where that cannot change tokens): their scores
+    count as a recent round each, so one unlucky first round does not hand the answer to plain
+    steps. Without it a draft's tree that found nothing in its first round had lost more than
+    the tries' budget, and plain steps took the other 95 rounds of a 96-token answer where the
+    tree alone made 1.14x plain (Spec-Bench humanities, docs/benchmarks.md, session 9).
+
     Seconds are estimated from the cost profiles (the verifier's pass over the tree's size plus
     the draft work the proposer reports), not from the clock, so the choice depends only on
     accepted counts and a seed gives the same tokens. A draft's catch-up on tokens other
@@ -65,6 +72,7 @@ class AutoProposer:
         decay: float = 0.8,
         explore_share: float = EXPLORE_SHARE,
         left_out: dict[str, str] | None = None,
+        memory: dict[str, tuple[float, float]] | None = None,
     ):
         if not proposers:
             raise ValueError("auto needs at least one proposer")
@@ -77,6 +85,8 @@ class AutoProposer:
         # plain steps: a known score, never tried or re-checked
         self.known = [isinstance(p, NoProposal) for p in self.proposers]
         self.left_out = dict(left_out or {})  # candidates `build` left out, and why
+        # per candidate name, (tokens, seconds) per round as earlier generations left them
+        self.memory = memory
         self.wants_hidden = any(wants_hidden(p) for p in self.proposers)
         self._reset_scores()
 
@@ -100,8 +110,11 @@ class AutoProposer:
 
     def reset(self, prompt: Sequence[int]) -> None:
         self._reset_scores()
-        for p in self.proposers:
+        for i, p in enumerate(self.proposers):
             p.reset(prompt)
+            if self.memory and p.name in self.memory and not self.known[i]:
+                self.tokens[i], self.seconds[i] = self.memory[p.name]
+                self.tried[i], self.last_tried[i] = self.explore, 0  # as if tried just now
 
     def score(self, i: int) -> float:
         return self.tokens[i] / self.seconds[i] if self.seconds[i] > 0 else float("inf")
@@ -181,6 +194,8 @@ class AutoProposer:
             a = self.decay ** (self.round + 1 - self.last_tried[i]) if self.tried[i] else 0.0
             self.tokens[i] = a * self.tokens[i] + (1 - a) * (len(path) + 1)
             self.seconds[i] = a * self.seconds[i] + (1 - a) * secs
+            if self.memory is not None:
+                self.memory[self.proposers[i].name] = (self.tokens[i], self.seconds[i])
         if self.tried[i] >= self.explore and i != self._best:  # a re-check: did it win?
             won = self.score(i) > self.score(self._best)
             self.wait[i] = (
@@ -217,4 +232,4 @@ def build(res: Resources, spec: Speculation) -> AutoProposer:
     # unprofiled: every pass costs the same
     vcost = res.verify_cost if res.verify_cost is not None else CostProfile([1], [1.0])
     drafts = [res.draft] if res.draft is not None else []
-    return AutoProposer(cands, vcost, drafts, left_out=left_out)
+    return AutoProposer(cands, vcost, drafts, left_out=left_out, memory=res.calibrations.rates)

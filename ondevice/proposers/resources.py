@@ -68,10 +68,14 @@ class Calibrations:
     starts from what earlier generations of the pair learned instead of the prior, by sampling
     settings (a temperature changes how far the verifier follows), and only where that cannot
     change its tokens (`for_generation`). Each generation's start keeps at most
-    `CALIBRATION_MEMORY` rounds' evidence per depth, the ratio unchanged."""
+    `CALIBRATION_MEMORY` rounds' evidence per depth, the ratio unchanged.
+
+    `rates`: what `auto` learnt of each candidate, by name: its tokens and seconds per round
+    (the averages it chooses by), where the next generation starts from."""
 
     def __init__(self) -> None:
         self._arrays: dict[Hashable, tuple[np.ndarray, np.ndarray]] = {}
+        self.rates: dict[str, tuple[float, float]] = {}
         self._by_sampling: dict[tuple, Calibrations] = {}
 
     def get(self, name: Hashable, size: int) -> tuple[np.ndarray, np.ndarray]:
