@@ -105,6 +105,33 @@ def test_without_heads_the_method_is_unavailable_and_says_how_to_train_them(
     assert out.stats["drafted"] > 0
 
 
+def test_heads_shipped_with_the_package_are_found_by_the_verifiers_fingerprint(
+    verifier, tmp_path, monkeypatch
+):
+    """Heads in `ondevice.resources/heads/*/` serve the verifier they were trained for (by
+    the fingerprint in heads.json), after the cache; others and broken folders are passed over."""
+    import importlib.resources
+
+    from ondevice.proposers.medusa import shipped_heads
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    root = tmp_path / "resources"
+    monkeypatch.setattr(importlib.resources, "files", lambda package: root)
+    gen = ondevice.load(verifier)
+    other = tiny.write_model(tmp_path / "other", layers=3)  # another fingerprint
+    write_heads(load_model(other).model, root / "heads" / "a-other")
+    (root / "heads" / "b-broken").mkdir()
+    (root / "heads" / "b-broken" / META).write_text("{not json")
+    assert shipped_heads(gen.verifier.model) is None
+    with pytest.raises(Unavailable):
+        gen.generate("hi", max_tokens=4, method="medusa")
+    write_heads(gen.verifier.model, root / "heads" / "c-mine")
+    assert shipped_heads(gen.verifier.model) == root / "heads" / "c-mine"
+    out = gen.generate("hello world", max_tokens=12, method="medusa")
+    assert out.tokens == gen.generate("hello world", max_tokens=12, speculative=False).tokens
+    assert out.stats["drafted"] > 0
+
+
 def test_cli_generate_takes_heads_and_method_medusa(verifier, heads):
     run = [sys.executable, "-m", "ondevice", "generate", "--model", str(verifier)]
     args = ["--prompt", "hello world", "--max-tokens", "12", "--json"]

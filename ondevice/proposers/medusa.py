@@ -97,6 +97,23 @@ def heads_cache_path(model: Model) -> Path:
     return profiles_dir() / f"medusa-{verifier_fingerprint(model)}"
 
 
+def shipped_heads(model: Model) -> Path | None:
+    """Heads shipped with ondevice (`Package.resources/heads/*/`, installed as
+    `ondevice.resources`) that were trained for `model`, found by the fingerprint in their
+    heads.json; None where none was."""
+    from importlib.resources import files
+
+    fingerprint = verifier_fingerprint(model)
+    root = Path(str(files("ondevice.resources").joinpath("heads")))
+    for meta in sorted(root.glob(f"*/{META}")):
+        try:
+            if json.loads(meta.read_text()).get("verifier_fingerprint") == fingerprint:
+                return meta.parent
+        except (OSError, ValueError):
+            continue  # not a heads folder: the others may still be
+    return None
+
+
 @dataclass
 class HeadsInfo:
     """heads.json: what the weights are for and how they were made."""
@@ -310,6 +327,8 @@ def build(res: Resources, spec: Speculation) -> MedusaProposer:
     folder = res.heads
     if folder is None:
         folder = heads_cache_path(model)
+        if not (folder / META).is_file():
+            folder = shipped_heads(model) or folder
         if not (folder / META).is_file():
             raise Unavailable(
                 "method 'medusa' needs Medusa heads trained for this verifier and found none "
