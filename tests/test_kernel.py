@@ -4,6 +4,7 @@ greedy speculative decoding with it gives exactly plain decoding's tokens."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -213,7 +214,8 @@ def test_a_tree_nodes_attention_is_bitwise_a_pass_over_its_path_alone(prefix, no
     row must be bitwise the row of a pass that fed only its path (where they sit side by side),
     or a tree verification can flip a near-tied greedy token against plain decoding (it did on
     Spec-Bench: the 1.5B verifier's humanities answer 156 at token 93). The 1.5B's attention
-    shapes (12 heads over 2 key heads of 128), the real key block, trees that cross a block."""
+    shapes (12 heads over 2 key heads of 128), the real key block, trees that cross a block;
+    two sequences under one mask."""
     r = np.random.default_rng(prefix)
     H, KV, D = 12, 2, 128
     parents = (
@@ -227,25 +229,25 @@ def test_a_tree_nodes_attention_is_bitwise_a_pass_over_its_path_alone(prefix, no
         while j >= 0:
             sees[i, j], j = True, parents[j]
     cached_k, cached_v, own_k, own_v = (
-        r.standard_normal((1, KV, n, D)).astype(np.float32) for n in (prefix, prefix, nodes, nodes)
+        r.standard_normal((2, KV, n, D)).astype(np.float32) for n in (prefix, prefix, nodes, nodes)
     )
-    q = r.standard_normal((1, H, nodes, D)).astype(np.float32)
+    q = r.standard_normal((2, H, nodes, D)).astype(np.float32)
     k, v = np.concatenate([cached_k, own_k], 2), np.concatenate([cached_v, own_v], 2)
     mask = np.where(sees, 0.0, -np.inf).astype(np.float32)
     mask = np.concatenate([np.zeros((nodes, prefix), np.float32), mask], 1)
     tree = kernel.attention(q, k, v, scale=D**-0.5, mask=mask)
     branched = 0
-    for i in range(nodes):
+    for i, b in itertools.product(range(nodes), range(2)):
         path = np.nonzero(sees[i])[0]
-        branched += path.tolist() != list(range(len(path)))
+        branched += b == 0 and path.tolist() != list(range(len(path)))
         alone = kernel.attention(
-            q[:, :, i : i + 1],
-            np.concatenate([cached_k, own_k[:, :, path]], 2),
-            np.concatenate([cached_v, own_v[:, :, path]], 2),
+            q[b : b + 1, :, i : i + 1],
+            np.concatenate([cached_k[b : b + 1], own_k[b : b + 1, :, path]], 2),
+            np.concatenate([cached_v[b : b + 1], own_v[b : b + 1, :, path]], 2),
             scale=D**-0.5,
             mask=None,
         )
-        np.testing.assert_array_equal(tree[:, :, i], alone[:, :, 0], err_msg=f"node {i}")
+        np.testing.assert_array_equal(tree[b, :, i], alone[0, :, 0], err_msg=f"node {i}, row {b}")
     assert branched >= 3  # the rows that differed before the fix: ancestors with gaps
 
 

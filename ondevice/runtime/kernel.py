@@ -739,7 +739,7 @@ def attention(
     return _like(q, out.transpose(0, 1, 3, 2, 4).reshape(B, H, L, Dv))
 
 
-_PATHS: list[Any] = [None, None]  # (the pass's mask, `_paths` of it): one pass, many layers
+_PATHS: list[Any] = [None, 0, 0, None]  # (a pass's mask, S, L, `_paths` of them): its layers
 
 
 def _paths(mask: Any, S: int, L: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -749,8 +749,8 @@ def _paths(mask: Any, S: int, L: int) -> list[tuple[np.ndarray, np.ndarray, np.n
     the block holding the first of the pass's own, then its visible own keys) with which of
     them are real: (rows (R,), slots (R, T), real (R, T)). Empty where no row is such (a causal
     pass, a chain, plain steps). Computed once per pass (every layer gets the same mask)."""
-    if _PATHS[0] is mask:
-        return _PATHS[1]
+    if _PATHS[0] is mask and _PATHS[1:3] == [S, L]:
+        return _PATHS[3]
     m = np.asarray(mask)
     m = m.reshape((1,) * (4 - m.ndim) + m.shape)
     visible = m[..., S - L :] == 0 if m.dtype != np.bool_ else m[..., S - L :]
@@ -773,7 +773,7 @@ def _paths(mask: Any, S: int, L: int) -> list[tuple[np.ndarray, np.ndarray, np.n
             keys = np.concatenate([np.arange(start, base), base + o])
             slots[i, : len(keys)], real[i, : len(keys)] = keys, True
         out.append((scattered, slots, real))
-    _PATHS[:] = [mask, out]
+    _PATHS[:] = [mask, S, L, out]
     return out
 
 
@@ -788,17 +788,15 @@ def _path_layout(
     as that pass's, and exact zeros for the blocks its path does not reach."""
     B, kv_heads, L, nb, rep, blk = p.shape
     b0 = (S - L) // blk
-    for b, (rows, slots, real) in enumerate(_paths(mask, S, L)):
+    paths = _paths(mask, S, L)
+    for b in range(B if paths else 0):
+        rows, slots, real = paths[b if len(paths) > 1 else 0]  # a mask may serve every row
         if not len(rows):
             continue
         R, T = slots.shape
         nt = T // blk
         # the weights of these rows, keys last: (kv_heads, R, rep, nb * blk)
-        w = (
-            p[b if p.shape[0] > 1 else 0][:, rows]
-            .transpose(0, 1, 3, 2, 4)
-            .reshape(kv_heads, R, rep, nb * blk)
-        )
+        w = p[b][:, rows].transpose(0, 1, 3, 2, 4).reshape(kv_heads, R, rep, nb * blk)
         w = np.take_along_axis(w, slots[None, :, None, :], axis=-1)  # (kv_heads, R, rep, T)
         w *= real[None, :, None, :]
         blocks = np.ascontiguousarray(w.reshape(kv_heads, R, rep, nt, blk).transpose(0, 1, 3, 2, 4))
