@@ -47,8 +47,9 @@ class AutoProposer:
     (`memory`, kept in the pair's `Calibrations` where that cannot change tokens): their scores
     count as a recent round each, so one unlucky first round does not hand the answer to plain
     steps. Without it a draft's tree that found nothing in its first round had lost more than
-    the tries' budget, and plain steps took the other 95 rounds of a 96-token answer where the
-    tree alone made 1.14x plain (Spec-Bench humanities, docs/benchmarks.md, session 9).
+    the tries' budget, and plain steps took the other 95 rounds of a 96-token answer (0.77x
+    plain, where the tree alone made 1.03x: Spec-Bench humanities 156, docs/benchmarks.md,
+    "Issue 26, session 9").
 
     Seconds are estimated from the cost profiles (the verifier's pass over the tree's size plus
     the draft work the proposer reports), not from the clock, so the choice depends only on
