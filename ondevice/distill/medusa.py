@@ -459,7 +459,7 @@ def distill_heads(
         )
     paths = _hidden_states(
         teacher, work / "hidden", train_pieces, held_pieces, top_k, progress,
-        chats=dict(tokens=chat_tokens, batch=gen_batch, max_tokens=max_tokens, seed=seed),
+        chat_tokens=chat_tokens, gen_batch=gen_batch, max_tokens=max_tokens, seed=seed,
     )  # fmt: skip
     data_time = time.time() - t0
     train_pos, held_pos = Positions(paths[0], num_heads), Positions(paths[1], num_heads)
@@ -605,24 +605,27 @@ def _hidden_states(
     top_k: int,
     progress: bool,
     *,
-    chats: dict[str, int],
+    chat_tokens: int,
+    gen_batch: int,
+    max_tokens: int,
+    seed: int,
 ) -> tuple[list[Path], list[Path], list[Path], list[Path]]:
     """The verifier's hidden states and top-k targets, computed once into shards under `hidden`
-    (a rerun starts where the last stopped), with a progress bar: its own chat answers
-    (`chat_shards` with `chats`' options) and the documents' pieces. Returns (train shards, held
+    (a rerun starts where the last stopped), with a progress bar: `chat_tokens` positions of its
+    own chat answers (`chat_shards`) and the documents' pieces. Returns (train shards, held
     shards, the chat ones among them: train, held)."""
     from tqdm import tqdm
 
-    n_chat = chats["tokens"] + chats["tokens"] // (HELD_OUT_EVERY - 1)  # held batches too
+    n_chat = chat_tokens + chat_tokens // (HELD_OUT_EVERY - 1)  # held batches too
     n_tok = n_chat + sum(len(p) for p in train_pieces) + sum(len(p) for p in held_pieces)
     bar = tqdm(total=n_tok, unit="tok", desc="verifier states", disable=not progress,
                dynamic_ncols=True)  # fmt: skip
     chat_train: list[Path] = []
     chat_held: list[Path] = []
-    if chats["tokens"]:
-        chat_train, chat_held = chat_shards(teacher, hidden, chats.pop("tokens"), k=top_k, bar=bar,
-                                            **chats)  # fmt: skip
-        bar.n = min(bar.n, n_chat)
+    if chat_tokens:
+        chat_train, chat_held = chat_shards(teacher, hidden, chat_tokens, k=top_k, batch=gen_batch,
+                                            max_tokens=max_tokens, seed=seed, bar=bar)  # fmt: skip
+        bar.n = min(bar.n, n_chat)  # the last batch may overshoot the estimate
     done = sum(len(p) for p in _done_pieces(hidden, "train", train_pieces))
     done += sum(len(p) for p in _done_pieces(hidden, "held", held_pieces))
     bar.update(done)

@@ -326,14 +326,13 @@ def build(res: Resources, spec: Speculation) -> MedusaProposer:
         )
     folder = res.heads
     if folder is None:
-        folder = heads_cache_path(model)
-        if not (folder / META).is_file():
-            folder = shipped_heads(model) or folder
-        if not (folder / META).is_file():
+        cached = heads_cache_path(model)
+        folder = cached if (cached / META).is_file() else shipped_heads(model)
+        if folder is None:
             raise Unavailable(
                 "method 'medusa' needs Medusa heads trained for this verifier and found none "
-                f"(looked in {folder}). Train them with `{TRAIN_HINT}` and pass heads=HEADS "
-                f"(--heads HEADS), or put the folder at {folder}."
+                f"(looked in {cached}). Train them with `{TRAIN_HINT}` and pass heads=HEADS "
+                f"(--heads HEADS), or put the folder at {cached}."
             )
     heads, info = _heads_for(Path(folder), model)
     # learnt across the pair's generations, per heads folder (every depth the heads reach)
