@@ -37,11 +37,12 @@ def heads(verifier, tmp_path_factory) -> Path:
     return write_heads(load_model(verifier).model, out, num_heads=3, noise=0.05)
 
 
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
 @pytest.mark.parametrize("arch", sorted(tiny.ARCH_DEFAULTS))
-def test_greedy_output_is_plain_decodings_on_every_architecture(arch, tmp_path):
+def test_greedy_output_is_plain_decodings_on_every_architecture(arch, kind, tmp_path):
     tie = arch in ("qwen2", "qwen3")  # the output matrix shared with the embedding, or not
     v = tiny.write_model(tmp_path / arch, arch=arch, tie=tie, layers=2, scale=1.5)
-    h = write_heads(load_model(v).model, tmp_path / "heads", num_heads=4, noise=0.05)
+    h = write_heads(load_model(v).model, tmp_path / "heads", num_heads=4, noise=0.05, kind=kind)
     gen = ondevice.load(v, heads=h)
     drafted = 0
     for prompt in PROMPTS:
@@ -221,12 +222,14 @@ def test_self_written_chats_record_the_states_and_targets_of_the_verifiers_own_a
     train, held = chat_shards(teacher, tmp_path, 150, k=4, batch=3, max_tokens=40, seed=0)
     assert [p.name for p in held] == ["chat-00000.npz"] and len(train) >= 1
     with np.load(held[0]) as z:
-        length, hid, ids = z["length"], z["hidden"], z["ids"]
+        length, hid, ids, toks = z["length"], z["hidden"], z["ids"], z["tokens"]
     kept = answers.mask.reshape(-1)
     assert length.sum() == kept.sum() > 0  # batch 0 is the one made above, its answers only
     first = np.nonzero(kept)[0][: length[0]]
     np.testing.assert_array_equal(hid[0, : length[0]], shard.hidden[first])
     np.testing.assert_array_equal(ids[0, : length[0]], shard.ids[first])
+    # the text's token after each position: what sequential heads read with its state
+    np.testing.assert_array_equal(toks[0, : length[0]], shard.tokens[first + 1])
     again = chat_shards(teacher, tmp_path, 150, k=4, batch=3, max_tokens=40, seed=0)
     assert again == (train, held)  # resumed from the shards, nothing written again
 
@@ -316,3 +319,114 @@ def test_server_without_heads_answers_a_clear_error(verifier, tmp_path, monkeypa
             extra_body={"method": "medusa"},
         )  # fmt: skip
     assert "ondevice distill --heads medusa" in str(e.value)
+
+
+# -- sequential (Hydra) heads ------------------------------------------------------------------------
+
+
+def test_sequential_heads_train_on_the_embedding_of_the_token_each_state_was_followed_by(
+    verifier, tmp_path
+):
+    """Head k at position t reads the embedding of the text's token at t+k (what the tree's
+    path holds there at generation) and learns the teacher's distribution at t+k: an
+    off-by-one here would teach every head the wrong token."""
+    from ondevice.distill.medusa import Positions, TokenEmbeddings, hidden_shards
+    from ondevice.proposers.medusa import embed_tokens
+    from ondevice.runtime.kernel import load_served
+
+    teacher = load_served(verifier)
+    rng = np.random.default_rng(0)
+    pieces = [rng.integers(3, 90, size=n).astype(np.int32) for n in (20, 13)]
+    paths = hidden_shards(teacher, tmp_path, "train", pieces, k=4)
+    pos = Positions(paths, 3, TokenEmbeddings(teacher.model))
+    sel = np.arange(pos.n)
+    h, e, ids, logp, w = pos.gather(sel)
+    assert e is not None and e.shape == (pos.n, 3, teacher.config.hidden_size)
+    r, t = pos.rows[sel], pos.cols[sel]
+    for k in range(1, 4):
+        ok = np.array(w[:, k - 1]) > 0
+        assert ok.sum() > 0
+        want = np.stack([pieces[a][b + k] for a, b in zip(r[ok], t[ok])])
+        np.testing.assert_array_equal(
+            np.array(e[:, k - 1])[ok], np.array(embed_tokens(teacher.model, want))
+        )
+        # and its target is the teacher's distribution after that token
+        logits = teacher.model(mx.array(pieces[0][None]))[0]
+        first = (r[ok] == 0) & (t[ok] + k < len(pieces[0]) - 1)
+        top = np.array(logits.argmax(-1))[t[ok][first] + k]
+        assert (np.array(ids[:, k - 1, 0])[ok][first] == top).mean() > 0.95
+
+
+def test_sequential_heads_grow_each_path_from_its_own_tokens(verifier, tmp_path):
+    """A node's children come from the next head over the state its own token was guessed from
+    and that token's embedding, so siblings' children differ; a level is one product over its
+    frontier, equal to the nodes taken one by one."""
+    from ondevice.proposers.medusa import HeadsDraft, embed_tokens, head_logits
+    from ondevice.rules.token_tree import TokenTree
+
+    model = load_model(verifier).model
+    folder = write_heads(model, tmp_path / "h", num_heads=3, noise=0.2, kind="hydra")
+    heads, info = load_heads(folder, model)
+    d, vocab = model.config.hidden_size, model.config.vocab_size
+    draft = HeadsDraft(model, heads, info, vocab, (np.ones(5), np.ones(5)), level_cost=0.5)
+    draft.hidden = np.random.default_rng(1).normal(size=d).astype(np.float32)
+    root = draft.sync([4, 7])
+    z1 = heads.step(0, mx.array(draft.hidden[None]), embed_tokens(model, [7]))
+    np.testing.assert_allclose(
+        root, np.array(head_logits(model, z1, vocab))[0], rtol=1e-5, atol=1e-5
+    )
+    tree = TokenTree.root(7)
+    a, b = tree.add(0, 11), tree.add(0, 12)
+    rows = draft.expand(tree, [a, b])
+    for node, row in zip((a, b), rows):
+        z2 = heads.step(1, z1, embed_tokens(model, [tree.tokens[node]]))
+        want = np.array(head_logits(model, z2, vocab))[0]
+        np.testing.assert_allclose(row, want, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(rows[0], rows[1])  # the path's token matters
+    c = tree.add(a, 20)
+    deeper = draft.expand(tree, [c])[0]  # from node a's own state, not the root's
+    z2a = heads.step(1, z1, embed_tokens(model, [11]))
+    z3 = heads.step(2, z2a, embed_tokens(model, [20]))
+    np.testing.assert_allclose(deeper, np.array(head_logits(model, z3, vocab))[0], rtol=1e-4,
+                               atol=1e-4)  # fmt: skip
+    assert draft.work == pytest.approx(1.5)  # three levels' estimated seconds
+
+
+def test_in_auto_the_sequential_heads_work_counts_in_their_rounds(verifier, tmp_path):
+    """auto adds the heads' estimated seconds to their rounds' (as a draft's), so cheap passes
+    do not make trees that cost more than they find look free."""
+    from dataclasses import replace
+
+    from ondevice.proposers import auto
+    from ondevice.proposers.medusa import HeadsDraft, HydraProposer
+    from ondevice.proposers.resources import Resources, Speculation
+    from ondevice.rules.noise import PositionNoise
+    from ondevice.rules.sampling import SamplingParams
+    from ondevice.runtime.pass_costs import CostProfile
+
+    model = load_model(verifier).model
+    folder = write_heads(model, tmp_path / "h", num_heads=3, noise=0.05, kind="hydra")
+    gen = ondevice.load(verifier, heads=folder)
+    res = Resources.build(gen.verifier, None, SamplingParams(), profile=False, heads=folder)
+    res = replace(res, verify_cost=CostProfile([1, 16], [1.0, 1.0]))
+    picker = auto.build(res, Speculation(method="auto"))
+    (hydra,) = [p for p in picker.proposers if isinstance(p, HydraProposer)]
+    assert [type(d) for d in picker.drafts] == [HeadsDraft]
+    assert hydra.heads_draft.level_cost > 0
+    before = picker._draft_work()
+    hydra.heads_draft.hidden = np.zeros(model.config.hidden_size, np.float32)
+    hydra.propose([1, 2], 3, PositionNoise(0))
+    assert picker._draft_work() > before
+
+
+def test_shards_without_tokens_are_refused_for_sequential_heads(tmp_path):
+    from ondevice.distill.data import save_npz
+    from ondevice.distill.medusa import Positions
+
+    path = tmp_path / "hidden" / "chat-00000.npz"
+    path.parent.mkdir()
+    save_npz(path, hidden=np.zeros((1, 4, 8), np.float16), ids=np.zeros((1, 4, 2), np.int32),
+             logp=np.zeros((1, 4, 2), np.float16), length=np.array([4], np.int32))  # fmt: skip
+    assert Positions([path], 2).n == 3  # independent heads need no tokens
+    with pytest.raises(ondevice.OndeviceError, match="delete"):
+        Positions([path], 2, embeddings=object())  # type: ignore[arg-type]

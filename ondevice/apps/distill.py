@@ -11,8 +11,8 @@ DESCRIPTION = (
     "Train a small draft that imitates VERIFIER: it starts from the verifier's embeddings, "
     "final norm and a subset of its layers, and learns the verifier's top-k next-token "
     "distributions. Without --data the verifier writes its own training conversations "
-    "(Magpie). With --heads medusa, train Medusa heads instead (method 'medusa': no draft "
-    "model): on the verifier's hidden states over its own chat answers (--chat-fraction of "
+    "(Magpie). With --heads hydra or medusa, train Medusa heads instead (method 'medusa': no "
+    "draft model): on the verifier's hidden states over its own chat answers (--chat-fraction of "
     "--tokens) and local text (any --data files, then the documentation and source of the "
     "installed packages), computed once. Data and checkpoints "
     "are kept in OUTPUT.work/, so --resume continues a stopped run; OUTPUT is refreshed at "
@@ -28,8 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--heads",
-        choices=("medusa",),
-        help="train Medusa heads on the verifier's hidden states instead of a draft model",
+        choices=("hydra", "medusa"),
+        help="train heads on the verifier's hidden states instead of a draft model, for method "
+        "'medusa': 'hydra' (each head also reads the token its guess follows: Hydra's "
+        "sequential heads, the better drafts) or 'medusa' (independent heads)",
     )
     p.add_argument(
         "--num-heads", type=int, default=4, help="--heads: heads, one per token ahead (default: 4)"
@@ -162,6 +164,7 @@ def run_heads(args: argparse.Namespace) -> int:
         args.verifier,
         args.output,
         num_heads=args.num_heads,
+        kind=args.heads,
         vocab=args.vocab or 32768,
         batch_size=args.batch_size or 256,
         seq_len=args.seq_len or 512,

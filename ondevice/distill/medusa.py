@@ -43,7 +43,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from ondevice.distill.data import (
     Shard,
@@ -70,10 +70,12 @@ from ondevice.errors import OndeviceError
 from ondevice.models import LoadedModel
 from ondevice.models.transformer import Model, _head_rows
 from ondevice.proposers.medusa import (
+    HEAD_KINDS,
     META,
     WEIGHTS,
+    Heads,
     HeadsInfo,
-    MedusaHeads,
+    embed_tokens,
     heads_cache_path,
     verifier_fingerprint,
 )
@@ -104,7 +106,7 @@ def local_documents() -> list[Path]:
     return sorted(files, key=lambda f: hashlib.sha256(str(f).encode()).hexdigest())
 
 
-def save_heads(heads: MedusaHeads, info: HeadsInfo, out: Path) -> None:
+def save_heads(heads: Heads, info: HeadsInfo, out: Path) -> None:
     """Write a heads folder (float16 weights and heads.json) whole, replacing `out`."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
@@ -119,13 +121,11 @@ def save_heads(heads: MedusaHeads, info: HeadsInfo, out: Path) -> None:
     replace_folder(tmp, out)
 
 
-def identity_heads(hidden_size: int, num_heads: int) -> MedusaHeads:
-    """Heads that start as the identity (W = 0, b = 0)."""
-    heads = MedusaHeads(hidden_size, num_heads)
-    heads.update(
-        {"heads": [{"weight": mx.zeros((hidden_size, hidden_size)), "bias": mx.zeros((hidden_size,))}
-                   for _ in range(num_heads)]}
-    )  # fmt: skip
+def identity_heads(hidden_size: int, num_heads: int, kind: str = "medusa") -> Heads:
+    """Heads of `kind` (`HEAD_KINDS`) that start as the identity (W = 0, b = 0): each says what
+    the verifier's own head says."""
+    heads = HEAD_KINDS[kind](hidden_size, num_heads)
+    heads.update(tree_map(mx.zeros_like, heads.parameters()))
     return heads
 
 
@@ -203,7 +203,7 @@ def hidden_shards(
         paths.append(path)
         if path.exists():
             continue
-        hid, ids, logp = [], [], []
+        hid, ids, logp, nxt = [], [], [], []
         for b in range(0, len(part), rows):
             group = part[b : b + rows]
             x = np.zeros((len(group), L), np.int32)
@@ -217,17 +217,20 @@ def hidden_shards(
                 hid.append(h16[r, : len(p)])
                 ids.append(top_i[r, : len(p)])
                 logp.append(top_v[r, : len(p)])
+                nxt.append(np.append(p[1:], 0).astype(np.int32))
             if bar is not None:
                 bar.update(sum(len(p) for p in group))
-        save_rows(path, hid, ids, logp)
+        save_rows(path, hid, ids, logp, nxt)
     return paths
 
 
 def save_rows(path: Path, hidden: list[np.ndarray], ids: list[np.ndarray],
-              logp: list[np.ndarray]) -> None:  # fmt: skip
+              logp: list[np.ndarray], tokens: list[np.ndarray]) -> None:  # fmt: skip
     """One shard of rows (a piece or a conversation's answer each): hidden (R, L, d) float16,
-    top-k ids (R, L, k) int32 and log-probabilities (R, L, k) float16, right-padded to the
-    longest row, and each row's length; written whole."""
+    top-k ids (R, L, k) int32 and log-probabilities (R, L, k) float16 of the token after each
+    position, the text's token after each position (R, L) int32 (what the state at t was
+    followed by: a sequential head's input), right-padded to the longest row, and each row's
+    length; written whole."""
     L = max((len(h) for h in hidden), default=0)
 
     def padded(rows: list[np.ndarray], dtype: Any) -> np.ndarray:
@@ -238,7 +241,8 @@ def save_rows(path: Path, hidden: list[np.ndarray], ids: list[np.ndarray],
 
     length = np.array([len(h) for h in hidden], np.int32)
     save_npz(path, hidden=padded(hidden, np.float16), ids=padded(ids, np.int32),
-             logp=padded(logp, np.float16), length=length)  # fmt: skip
+             logp=padded(logp, np.float16), tokens=padded(tokens, np.int32),
+             length=length)  # fmt: skip
 
 
 def chat_shards(
@@ -287,11 +291,11 @@ def chat_shards(
     return train, held
 
 
-def _answer_rows(shard: Shard) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+def _answer_rows(shard: Shard) -> tuple[list[np.ndarray], ...]:
     """Each conversation's answer positions (those `answers_only` keeps: contiguous, from the
-    one predicting the answer's first token) as (hidden, ids, log-probs) rows."""
+    one predicting the answer's first token) as (hidden, ids, log-probs, next tokens) rows."""
     assert shard.hidden is not None, "magpie_batch(..., hidden=True) records the states"
-    hid, ids, logp = [], [], []
+    hid, ids, logp, nxt = [], [], [], []
     ends = np.append(shard.starts[1:], len(shard.tokens))
     for a, b in zip(shard.starts, ends):
         kept = np.nonzero(shard.mask[a:b])[0]
@@ -301,7 +305,9 @@ def _answer_rows(shard: Shard) -> tuple[list[np.ndarray], list[np.ndarray], list
         hid.append(shard.hidden[lo:hi])
         ids.append(shard.ids[lo:hi])
         logp.append(shard.logp[lo:hi])
-    return hid, ids, logp
+        after = shard.tokens[lo + 1 : min(hi + 1, b)]  # the last answer token has none
+        nxt.append(np.pad(after, (0, hi - lo - len(after))).astype(np.int32))
+    return hid, ids, logp, nxt
 
 
 class OutputRows:
@@ -325,19 +331,44 @@ class OutputRows:
         return out if self.bias is None else out + self.bias
 
 
+class TokenEmbeddings:
+    """The verifier's input embedding of every id, read once (float16, as numpy: 0.47 GB for
+    151,936 x 1536), so that sequential heads train on the embeddings `embed_tokens` gives them
+    at generation without keeping the verifier in memory."""
+
+    def __init__(self, model: Model, chunk: int = 8192):
+        n = model.config.vocab_size
+        parts = [
+            np.array(embed_tokens(model, np.arange(i, min(i + chunk, n))).astype(mx.float16))
+            for i in range(0, n, chunk)
+        ]
+        self.table = np.concatenate(parts)
+
+    def __call__(self, ids: np.ndarray) -> mx.array:
+        return mx.array(self.table[ids].astype(np.float32))
+
+
 class Positions:
     """Every position t of the shards with a target for each head (t + k < the piece's length
-    for head k), gathered in batches: (hidden (P, d), ids (P, K, k), log-probs (P, K, k), weight
-    (P, K))."""
+    for head k), gathered in batches: (hidden (P, d), the embeddings of the text's tokens at
+    t+1..t+K (P, K, d) where `embeddings` is given (sequential heads' inputs; else None), ids
+    (P, K, k), log-probs (P, K, k), weight (P, K))."""
 
-    def __init__(self, paths: list[Path], num_heads: int):
-        hid, ids, logp, length = [], [], [], []
+    def __init__(self, paths: list[Path], num_heads: int,
+                 embeddings: TokenEmbeddings | None = None):  # fmt: skip
+        hid, ids, logp, length, toks = [], [], [], [], []
         for p in paths:
             with np.load(p) as z:
                 if not len(z["length"]):
                     continue  # a batch of conversations that held no answer
+                if embeddings is not None and "tokens" not in z:
+                    raise OndeviceError(
+                        f"{p}: written before heads read the text's tokens; delete "
+                        f"{p.parent} (its states are computed again) or train --heads medusa."
+                    )
                 hid.append(z["hidden"]), ids.append(z["ids"]), logp.append(z["logp"])
                 length.append(z["length"])
+                toks.append(z["tokens"] if embeddings is not None else z["length"][:, None])
         if not hid:
             raise OndeviceError(f"no positions to train or check heads on in {paths[:1]} ...")
         L = max(h.shape[1] for h in hid)
@@ -345,26 +376,33 @@ class Positions:
         self.hidden = np.concatenate([pad(h) for h in hid])
         self.ids = np.concatenate([pad(a) for a in ids])
         self.logp = np.concatenate([pad(a) for a in logp])
+        self.tokens = np.concatenate([pad(a) for a in toks])
         self.length = np.concatenate(length)
+        self.embeddings = embeddings
         self.K = num_heads
         r, t = np.nonzero(np.arange(L)[None] + 1 < self.length[:, None])  # head 1 has a target
         self.rows, self.cols = r, t
         self.n = len(r)
 
-    def gather(self, sel: np.ndarray) -> tuple[mx.array, ...]:
+    def gather(self, sel: np.ndarray) -> tuple[mx.array | None, ...]:
         r, t = self.rows[sel], self.cols[sel]
         k = np.arange(1, self.K + 1)
         tt = t[:, None] + k[None]  # (P, K): the teacher's position for head k
         ok = tt < self.length[r][:, None]
-        tt = np.minimum(tt, self.ids.shape[1] - 1)
+        last = self.ids.shape[1] - 1
+        tt = np.minimum(tt, last)
+        embeds = None
+        if self.embeddings is not None:  # the token at t+k: the one after position t+k-1
+            embeds = self.embeddings(self.tokens[r[:, None], np.minimum(tt - 1, last)])
         return (
             mx.array(self.hidden[r, t].astype(np.float32)),
+            embeds,
             mx.array(self.ids[r[:, None], tt]),
             mx.array(self.logp[r[:, None], tt]),
             mx.array(ok.astype(np.float32)),
         )
 
-    def batch(self, step: int, size: int, seed: int) -> tuple[mx.array, ...]:
+    def batch(self, step: int, size: int, seed: int) -> tuple[mx.array | None, ...]:
         per_epoch = max(1, self.n // size)
         epoch, i = divmod(step, per_epoch)
         order = np.random.default_rng((seed, epoch)).permutation(self.n)
@@ -375,9 +413,10 @@ class Positions:
 
 
 def heads_loss(
-    heads: MedusaHeads,
+    heads: Heads,
     out: OutputRows,
     h: mx.array,
+    embeds: mx.array | None,
     ids: mx.array,
     logp: mx.array,
     weight: mx.array,
@@ -385,19 +424,19 @@ def heads_loss(
 ) -> tuple[mx.array, mx.array]:
     """Mean cross-entropy of every head to its teacher distribution, and per head the share of
     positions where its argmax is the teacher's top token."""
-    logits = out(heads(h))  # (P, K, vocab)
+    logits = out(heads(h, embeds))  # (P, K, vocab)
     return soft_cross_entropy(logits, ids, logp, weight, vocab, per_head=True)
 
 
 def evaluate_heads(
-    heads: MedusaHeads, out: OutputRows, held: Positions, vocab: int
+    heads: Heads, out: OutputRows, held: Positions, vocab: int
 ) -> tuple[float, list[float]]:
     """Held-out loss and each head's greedy agreement with the verifier (head k's top token is
     the verifier's top token k+1 positions on: the acceptance estimate of a depth-k guess)."""
     tot_l, agree, n = 0.0, np.zeros(held.K), np.zeros(held.K)
     for i in range(0, held.n, 256):
-        h, ids, logp, w = held.gather(np.arange(i, min(i + 256, held.n)))
-        loss, a = heads_loss(heads, out, h, ids, logp, w, vocab)
+        h, e, ids, logp, w = held.gather(np.arange(i, min(i + 256, held.n)))
+        loss, a = heads_loss(heads, out, h, e, ids, logp, w, vocab)
         ws = np.array(w.sum(0))
         tot_l += float(loss) * float(ws.sum())
         agree += np.array(a) * ws
@@ -411,6 +450,7 @@ def distill_heads(
     *,
     data_files: list[str] | None = None,
     num_heads: int = 4,
+    kind: str = "hydra",
     vocab: int | None = 32768,
     tokens: int = 100_000,
     resume: bool = False,
@@ -442,10 +482,12 @@ def distill_heads(
     vocab = min(vocab or tcfg.vocab_size, tcfg.vocab_size)
     if num_heads < 1:
         raise OndeviceError("--num-heads must be at least 1.")
+    if kind not in HEAD_KINDS:
+        raise OndeviceError(f"--heads must be one of {', '.join(HEAD_KINDS)}, not {kind!r}.")
     cfg = TrainConfig(
         [], vocab, seq_len, batch_size, learning_rate, steps=steps, minutes=minutes,
         embed_bits=None, seed=seed, eval_every=eval_every, checkpoint_every=checkpoint_every,
-        extra={"heads": "medusa", "num_heads": num_heads, "top_k": top_k,
+        extra={"heads": kind, "num_heads": num_heads, "top_k": top_k,
                "data": sorted(map(str, data_files or [])), "chat_fraction": chat_fraction,
                "gen_batch": gen_batch, "max_tokens": max_tokens},
     )  # fmt: skip
@@ -462,16 +504,18 @@ def distill_heads(
         chat_tokens=chat_tokens, gen_batch=gen_batch, max_tokens=max_tokens, seed=seed,
     )  # fmt: skip
     data_time = time.time() - t0
-    train_pos, held_pos = Positions(paths[0], num_heads), Positions(paths[1], num_heads)
     model = teacher.model
+    embeddings = TokenEmbeddings(model) if kind == "hydra" else None
+    train_pos = Positions(paths[0], num_heads, embeddings)
+    held_pos = Positions(paths[1], num_heads, embeddings)
     recipe = _recipe(verifier, data_files, len(used), train_pos, held_pos, cfg)
     recipe["chat_answers"] = {"train": _rows(paths[2]), "held_out": _rows(paths[3])}
-    info = HeadsInfo(verifier_fingerprint(model), tcfg.hidden_size, num_heads, vocab)
+    info = HeadsInfo(verifier_fingerprint(model), tcfg.hidden_size, num_heads, vocab, kind=kind)
     cache_path = heads_cache_path(model)
     out_rows = OutputRows(model, vocab)
     del model, teacher  # training needs only the output rows: the verifier's memory goes back
 
-    heads = identity_heads(tcfg.hidden_size, num_heads)
+    heads = identity_heads(tcfg.hidden_size, num_heads, kind)
     opt = optim.AdamW(learning_rate=learning_rate, weight_decay=0.0)
     opt.init(heads.trainable_parameters())
     step, elapsed = 0, 0.0
@@ -529,7 +573,7 @@ def _recipe(
 
 
 def _train_loop(
-    heads: MedusaHeads,
+    heads: Heads,
     opt: optim.Optimizer,
     out_rows: OutputRows,
     train_pos: Positions,
@@ -550,8 +594,9 @@ def _train_loop(
     state = [heads.state, opt.state]
 
     @partial(mx.compile, inputs=state, outputs=state)
-    def train_step(h, ids, logp, w):
-        (loss, agree), grads = loss_grad(heads, h=h, ids=ids, logp=logp, weight=w)
+    def train_step(h, ids, logp, w, *e):  # e: the path's embeddings (sequential heads only)
+        embeds = e[0] if e else None
+        (loss, agree), grads = loss_grad(heads, h=h, embeds=embeds, ids=ids, logp=logp, weight=w)
         opt.update(heads, grads)
         return loss, agree
 
@@ -565,7 +610,8 @@ def _train_loop(
 
     while not finished():
         opt.learning_rate = schedule(cfg, step, time.time() - start)
-        loss, agree = train_step(*train_pos.batch(step, cfg.batch_size, cfg.seed))
+        h, e, ids, logp, w = train_pos.batch(step, cfg.batch_size, cfg.seed)
+        loss, agree = train_step(h, ids, logp, w, *(() if e is None else (e,)))
         mx.eval(loss, agree, state)
         step += 1
         ema = float(loss) if ema is None else 0.9 * ema + 0.1 * float(loss)

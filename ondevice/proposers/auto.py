@@ -233,4 +233,8 @@ def build(res: Resources, spec: Speculation) -> AutoProposer:
     # unprofiled: every pass costs the same
     vcost = res.verify_cost if res.verify_cost is not None else CostProfile([1], [1.0])
     drafts = [res.draft] if res.draft is not None else []
+    for c in cands:  # other drafts whose work a round costs (Medusa's sequential heads)
+        state = getattr(c, "state", None)
+        if hasattr(state, "switch_work") and all(state is not d for d in drafts):
+            drafts.append(state)
     return AutoProposer(cands, vcost, drafts, left_out=left_out, memory=res.calibrations.rates)

@@ -235,7 +235,9 @@ class DraftTreeProposer:
         if mode not in ("dynamic", "static", "path"):
             raise ValueError(f"unknown tree mode {mode!r}")
         self.name = name
-        self.state = draft if isinstance(draft, DraftState) else DraftState(draft, vocab)
+        # a DraftState, or another draft with its interface (sync, expand, commit: Medusa's
+        # sequential heads); a bare engine gets a DraftState
+        self.state = draft if hasattr(draft, "expand") else DraftState(draft, vocab)
         self.vocab = vocab
         self.chooser = as_chooser(params, vocab)
         self.params = self.chooser.params

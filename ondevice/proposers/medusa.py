@@ -40,13 +40,19 @@ import numpy as np
 
 from ondevice.errors import OndeviceError
 from ondevice.models.transformer import Model, _head_rows, norm_weights
-from ondevice.proposers.base import BudgetFn, Unavailable, Verification, cost_budget
-from ondevice.proposers.draft_tree import top_tokens
+from ondevice.proposers.base import (
+    BudgetFn,
+    Unavailable,
+    Verification,
+    cost_budget,
+    cost_rate,
+)
+from ondevice.proposers.draft_tree import DraftTreeProposer, top_tokens
 from ondevice.proposers.resources import Calibrations
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.engines import innermost
-from ondevice.runtime.pass_costs import profiles_dir
+from ondevice.runtime.pass_costs import CostProfile, profiles_dir
 
 if TYPE_CHECKING:
     from ondevice.proposers.resources import Resources, Speculation
@@ -63,14 +69,70 @@ MAX_NODES = 64  # candidates grown before the cost budget picks how many are ver
 
 
 class MedusaHeads(nn.Module):
-    """K residual blocks over hidden states: (..., d) -> (..., K, d)."""
+    """K residual blocks over hidden states: (..., d) -> (..., K, d). Each head reads the state
+    alone (Medusa); `embeds`, the path's tokens, is accepted for `SequentialHeads`' signature."""
+
+    kind = "medusa"
 
     def __init__(self, hidden_size: int, num_heads: int):
         super().__init__()
         self.heads = [nn.Linear(hidden_size, hidden_size) for _ in range(num_heads)]
 
-    def __call__(self, h: mx.array) -> mx.array:
+    def __call__(self, h: mx.array, embeds: mx.array | None = None) -> mx.array:
         return mx.stack([h + nn.silu(head(h)) for head in self.heads], axis=-2)
+
+
+def _unit(x: mx.array) -> mx.array:
+    """x scaled to unit root-mean-square (a norm without weights: the heads' inputs, the
+    verifier's state and its token embedding, differ in scale by orders of magnitude)."""
+    return x * mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + 1e-6)
+
+
+class SequentialHeads(nn.Module):
+    """Hydra's sequentially dependent heads (Ankner et al. 2024): head k reads the state z_{k-1}
+    that head k-1 produced (z_0 = the verifier's state h at t) and the embedding of the token at
+    t+k (the verifier's own input embedding, frozen and not stored), `z_k = z_{k-1} +
+    SiLU(W_k [unit(z_{k-1}); unit(e_k)] + b_k)`, and z_k gives the logits for token t+k+1 through
+    the verifier's output matrix. Head 1 so knows the token its guess follows (the round's bonus
+    token, which a Medusa head must guess blind), and head k the path of guesses before it: a
+    tree is grown level by level, each level one product of the head over its frontier.
+
+    (..., d), (..., K, d) -> (..., K, d): every head's state over a known path (training)."""
+
+    kind = "hydra"
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.heads = [nn.Linear(2 * hidden_size, hidden_size) for _ in range(num_heads)]
+
+    def step(self, k: int, z: mx.array, embed: mx.array) -> mx.array:
+        """Head k (from 0): the next state from `z` (..., d) and the embedding (..., d) of the
+        token that follows it."""
+        x = mx.concatenate([_unit(z), _unit(embed)], axis=-1)
+        return z + nn.silu(self.heads[k](x))
+
+    def __call__(self, h: mx.array, embeds: mx.array | None = None) -> mx.array:
+        assert embeds is not None, "sequential heads read the path's token embeddings"
+        out, z = [], h
+        for k in range(len(self.heads)):
+            z = self.step(k, z, embeds[..., k, :])
+            out.append(z)
+        return mx.stack(out, axis=-2)
+
+
+HEAD_KINDS: dict[str, type[MedusaHeads] | type[SequentialHeads]] = {
+    "medusa": MedusaHeads,
+    "hydra": SequentialHeads,
+}
+
+
+def embed_tokens(model: Model, tokens: Sequence[int] | np.ndarray) -> mx.array:
+    """The verifier's input embedding of `tokens` (as it serves them), float32: (n, d). (The
+    CPU kernel's embedding answers in numpy.)"""
+    out = model.model.embed_tokens(mx.array(np.asarray(tokens, np.int32)))
+    if isinstance(out, mx.array):
+        return out.astype(mx.float32)
+    return mx.array(np.asarray(out, np.float32))
 
 
 def head_logits(model: Model, states: mx.array, vocab_subset: int) -> mx.array:
@@ -123,23 +185,27 @@ class HeadsInfo:
     num_heads: int
     vocab_subset: int
     extra: dict[str, Any] = field(default_factory=dict)  # verifier name, training, acceptance
+    kind: str = "medusa"  # HEAD_KINDS: "medusa" (independent) or "hydra" (sequential)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT, "version": VERSION, "verifier_fingerprint": self.fingerprint,
             "hidden_size": self.hidden_size, "num_heads": self.num_heads,
-            "vocab_subset": self.vocab_subset, **self.extra,
+            "vocab_subset": self.vocab_subset, "kind": self.kind, **self.extra,
         }  # fmt: skip
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> HeadsInfo:
         if doc.get("format") != FORMAT or doc.get("version") != VERSION:
             raise ValueError(f"not {FORMAT} version {VERSION}")
+        kind = doc.get("kind", "medusa")  # folders written before sequential heads existed
+        if kind not in HEAD_KINDS:
+            raise ValueError(f"unknown kind of heads {kind!r} (known: {', '.join(HEAD_KINDS)})")
         keys = ("format", "version", "verifier_fingerprint", "hidden_size", "num_heads",
-                "vocab_subset")  # fmt: skip
+                "vocab_subset", "kind")  # fmt: skip
         return cls(
             str(doc["verifier_fingerprint"]), int(doc["hidden_size"]), int(doc["num_heads"]),
-            int(doc["vocab_subset"]), {k: v for k, v in doc.items() if k not in keys},
+            int(doc["vocab_subset"]), {k: v for k, v in doc.items() if k not in keys}, kind,
         )  # fmt: skip
 
 
@@ -170,7 +236,10 @@ def read_heads(folder: Path) -> tuple[dict[str, mx.array], HeadsInfo]:
     return arrays, info
 
 
-def load_heads(folder: Path, model: Model) -> tuple[MedusaHeads, HeadsInfo]:
+Heads = MedusaHeads | SequentialHeads
+
+
+def load_heads(folder: Path, model: Model) -> tuple[Heads, HeadsInfo]:
     """Heads from `folder` for the verifier `model` (float32), checked against it."""
     arrays, info = read_heads(folder)
     meta = Path(folder) / META
@@ -189,7 +258,7 @@ def load_heads(folder: Path, model: Model) -> tuple[MedusaHeads, HeadsInfo]:
         )
     if not 1 <= info.vocab_subset <= cfg.vocab_size or info.num_heads < 1:
         raise OndeviceError(f"{meta}: vocab_subset or num_heads out of range; {fix}.")
-    heads = MedusaHeads(info.hidden_size, info.num_heads)
+    heads = HEAD_KINDS[info.kind](info.hidden_size, info.num_heads)
     try:
         heads.load_weights([(k, v.astype(mx.float32)) for k, v in arrays.items()])
     except ValueError as e:
@@ -292,10 +361,119 @@ class MedusaProposer:
         self._pred = self._tree = None
 
 
-_LOADED: dict[tuple[str, float], tuple[MedusaHeads, HeadsInfo]] = {}  # this process's heads
+class HeadsDraft:
+    """Sequential heads as the draft of a dynamic tree (`DraftTreeProposer`, EAGLE-2's growth
+    level by level): `sync` gives the root's children (head 1 over the verifier's state at the
+    last accepted node and the root token, the round's bonus), `expand` the children of a
+    level's frontier nodes, one product of the next head (and of the output rows) over all of
+    them. Each node keeps the state its own guess came from, which its children's head reads.
+
+    Its seconds of work are estimated, not clocked (`auto` must choose the same way on every
+    run): `level_cost` per head evaluated, from the verifier's pass cost by the share of the
+    bytes a level reads (`level_cost`)."""
+
+    tree_pass = False
+
+    def __init__(
+        self,
+        model: Model,
+        heads: SequentialHeads,
+        info: HeadsInfo,
+        vocab: int,
+        calibration: tuple[np.ndarray, np.ndarray],
+        level_cost: float = 0.0,
+    ):
+        self.model, self.heads, self.info, self.vocab = model, heads, info, vocab
+        self.hidden: np.ndarray | None = None  # (d,) the verifier's state at the last accepted node
+        self._calibration = calibration
+        self.level_cost = level_cost
+        self.work = 0.0  # estimated seconds, as `DraftState.work` (auto adds them to a round)
+        self.switch_work = 0.0  # nothing to catch up on: the verifier's state is always there
+        self._z: dict[int, mx.array] = {}  # node -> the state its token was guessed from
+
+    def calibration(self, size: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._calibration
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self.hidden = None
+
+    def _logits(self, k: int, z: mx.array, tokens: Sequence[int]) -> np.ndarray:
+        """Head k over states `z` (n, d) followed by `tokens`: (n, vocab) logits, the ids
+        beyond the subset at -inf."""
+        nz = self.heads.step(k, z, embed_tokens(self.model, tokens))
+        sub = head_logits(self.model, nz, self.info.vocab_subset).astype(mx.float32)
+        mx.eval(nz, sub)
+        self.work += self.level_cost
+        self._new = nz
+        out = np.full((len(tokens), self.vocab), -np.inf, np.float32)
+        out[:, : self.info.vocab_subset] = np.array(sub)
+        return out
+
+    def sync(self, seq: Sequence[int]) -> np.ndarray:
+        assert self.hidden is not None, "the proposer drafts only after a verification"
+        logits = self._logits(0, mx.array(self.hidden[None]), [seq[-1]])
+        self._z = {0: self._new[0]}
+        return logits[0]
+
+    def expand(self, tree: TokenTree, nodes: Sequence[int]) -> np.ndarray:
+        depths = {tree.depths[n] for n in nodes}
+        assert len(depths) == 1, "a dynamic tree expands one level at a time"
+        z = mx.stack([self._z[tree.parents[n]] for n in nodes])
+        logits = self._logits(depths.pop(), z, [tree.tokens[n] for n in nodes])
+        self._z.update((n, self._new[i]) for i, n in enumerate(nodes))
+        return logits
+
+    def commit(self, tree: TokenTree, path: Sequence[int]) -> None:
+        self._z = {}
 
 
-def _heads_for(folder: Path, model: Model) -> tuple[MedusaHeads, HeadsInfo]:
+def level_cost(model: Model, info: HeadsInfo, verify_cost: CostProfile | None) -> float:
+    """Estimated seconds of one head level: the one-token verifier pass scaled by the bytes a
+    level reads (the head's weights and the subset's output rows) against the verifier's."""
+    if verify_cost is None:
+        return 0.0
+    cfg = model.config
+    d, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
+    layer = 2 * d * d + 2 * d * kv + 3 * d * inter
+    whole = len(model.layers) * layer + cfg.vocab_size * d
+    return float(verify_cost(1)) * (2 * d * d + info.vocab_subset * d) / whole
+
+
+class HydraProposer(DraftTreeProposer):
+    """Trees from sequential heads: a dynamic tree grown as from a draft model (see
+    `DraftTreeProposer`), each level one evaluation of the next head. The first round of a
+    generation, before any verification gave a state, is a plain step."""
+
+    wants_hidden = True
+
+    def __init__(self, draft: HeadsDraft, *args: Any, **kwargs: Any):
+        super().__init__(draft, *args, **kwargs)
+        self.heads_draft = draft
+        self._proposed: TokenTree | None = None
+
+    def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
+        self._proposed = None
+        if self.heads_draft.hidden is None or max_depth < 1:
+            return TokenTree.root(seq[-1])
+        self._proposed = super().propose(seq, max_depth, noise)
+        return self._proposed
+
+    def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
+        """As `MedusaProposer.observe`: the next guesses start from the state at the last
+        accepted node whoever built the tree; only its own trees calibrate it."""
+        hidden = verdict.hidden
+        assert hidden is not None, "the tree decoder did not hand over the hidden states"
+        last = hidden[verdict.path[-1] if verdict.path else 0]
+        self.heads_draft.hidden = np.asarray(last, np.float32)
+        if self._proposed is not None and tree is self._proposed:
+            super().observe(seq, tree, verdict)
+        self._proposed = None
+
+
+_LOADED: dict[tuple[str, float], tuple[Heads, HeadsInfo]] = {}  # this process's heads
+
+
+def _heads_for(folder: Path, model: Model) -> tuple[Heads, HeadsInfo]:
     """`load_heads`, once per folder version and verifier (by fingerprint) in a process."""
     stamp = max(
         (f.stat().st_mtime for f in (folder / META, folder / WEIGHTS) if f.exists()), default=0.0
@@ -315,10 +493,11 @@ def check_heads(folder: str | Path, model: Model) -> Path:
     return path
 
 
-def build(res: Resources, spec: Speculation) -> MedusaProposer:
+def build(res: Resources, spec: Speculation) -> MedusaProposer | HydraProposer:
     """The "medusa" method: a tree of the heads' top choices, num_draft_tokens deep (default:
-    every head), as many nodes as the verifier's pass costs say pay. Heads come from
-    `res.heads` or the cache; without them `Unavailable` says how to train them."""
+    every head), as many nodes as the verifier's pass costs say pay; sequential heads grow it
+    level by level (`HydraProposer`). Heads come from `res.heads` or the cache; without them
+    `Unavailable` says how to train them."""
     model = getattr(innermost(res.verifier), "model", None)
     if not isinstance(model, Model):
         raise OndeviceError(
@@ -337,7 +516,16 @@ def build(res: Resources, spec: Speculation) -> MedusaProposer:
     heads, info = _heads_for(Path(folder), model)
     # learnt across the pair's generations, per heads folder (every depth the heads reach)
     calibration = res.calibrations.get(("medusa", str(Path(folder).resolve())), info.num_heads + 2)
+    depth = min(spec.num_draft_tokens or info.num_heads, info.num_heads)
+    if isinstance(heads, SequentialHeads):
+        cost = level_cost(model, info, res.verify_cost)
+        draft = HeadsDraft(model, heads, info, res.vocab, calibration, cost)
+        return HydraProposer(
+            draft, res.vocab, res.chooser, mode="dynamic", depth=depth, topk=WIDTH // 2,
+            budget=cost_budget(res.verify_cost, cost), expand_cost=cost,
+            rate=cost_rate(res.verify_cost, cost), name="medusa",
+        )  # fmt: skip
     return MedusaProposer(
-        model, heads, info, depth=spec.num_draft_tokens, budget=cost_budget(res.verify_cost),
+        model, heads, info, depth=depth, budget=cost_budget(res.verify_cost),
         calibration=calibration,
     )  # fmt: skip

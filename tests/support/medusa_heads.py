@@ -19,22 +19,23 @@ def write_heads(
     vocab_subset: int | None = None,
     noise: float = 0.0,
     seed: int = 0,
+    kind: str = "medusa",
 ) -> Path:
     """Heads for `model` in `folder` (default: the cache, where "medusa" looks without
-    heads=...): Medusa's identity start (W = 0, b = 0), plus Gaussian `noise` on the weights.
+    heads=...), of `kind` ("medusa" or "hydra"): Medusa's identity start (W = 0, b = 0), plus Gaussian `noise` on the weights.
     The identity heads guess that the next token repeats, which a tiny random model's greedy
     text often does, so they get some proposals accepted."""
     d = model.config.hidden_size
-    heads = identity_heads(d, num_heads)
+    heads = identity_heads(d, num_heads, kind)
     if noise:
-        key = mx.random.key(seed)
+        keys = iter(mx.random.split(mx.random.key(seed), 2 * num_heads))
         heads.update(
-            {"heads": [{"weight": noise * mx.random.normal((d, d), key=mx.random.split(key, num_heads)[i]),
-                        "bias": mx.zeros((d,))} for i in range(num_heads)]}
+            {"heads": [{"weight": noise * mx.random.normal(h.weight.shape, key=next(keys)),
+                        "bias": mx.zeros((d,))} for h in heads.heads]}
         )  # fmt: skip
     info = HeadsInfo(
         verifier_fingerprint(model), d, num_heads, vocab_subset or model.config.vocab_size,
-        {"verifier": "a tiny test model"},
+        {"verifier": "a tiny test model"}, kind,
     )  # fmt: skip
     out = folder or heads_cache_path(model)
     save_heads(heads, info, out)
