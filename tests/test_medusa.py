@@ -294,7 +294,7 @@ def test_in_auto_the_heads_draft_from_the_latest_state_whoever_proposed(verifier
     auto.reset([1, 2])
     d = model.config.hidden_size
     seq, names = [1, 2], []
-    auto._choose = lambda room: len(names) % 2  # type: ignore[method-assign]  # alternate
+    auto._choose = lambda room, skip: len(names) % 2  # type: ignore[method-assign]  # alternate
     for r in range(6):
         tree = auto.propose(seq, 4, PositionNoise(0))
         before = medusa.predicted.copy()

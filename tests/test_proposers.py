@@ -12,7 +12,7 @@ from support.engines import TableEngine, TreeTableEngine
 from support.enumeration import law
 
 from ondevice.proposers.auto import AutoProposer
-from ondevice.proposers.base import NoProposal, Verification
+from ondevice.proposers.base import NoProposal, Verification, cost_budget
 from ondevice.proposers.cascade import CascadeProposer
 from ondevice.proposers.draft_tree import DraftState, DraftTreeProposer
 from ondevice.proposers.lookahead import Lookahead
@@ -511,3 +511,52 @@ def test_profile_is_measured_once_and_cached_per_device_and_model(tmp_path, monk
     other = TableEngine.cycle()
     other.vocab_size = 99
     assert engine_key(other) != engine_key(eng)
+
+
+def test_auto_gives_the_rounds_prompt_lookup_abstains_from_to_the_next_best():
+    """Prompt lookup copies a whole passage every 4th round and finds nothing in the others; a
+    draft-free tree makes 2 tokens a round. Scored on every round, lookup's average (empty
+    rounds count as plain steps) beat the tree's and took every round, empty ones included;
+    abstaining, it speaks where it copies and the tree takes the rest: the two candidates'
+    best per round."""
+    cost = CostProfile([1, 8], [1.0, 1.15])
+
+    class Abstaining(_Sometimes):
+        abstains = True
+
+    def per_round_best(total=96):
+        """Each round: lookup where it copies, else the tree (what a perfect chooser does)."""
+        done, secs, r = 0, 0.0, 0
+        while done < total:
+            r += 1
+            copy = r % 4 == 0
+            done += 7 if copy else 2
+            secs += float(cost(7 if copy else 3))
+        return min(done, total) / secs
+
+    old = _short_answer(AutoProposer([NoProposal(), _Sometimes("pld", 6, 0),
+                                      _Fixed("medusa", 2, 1)], cost), cost, 96)  # fmt: skip
+    new = _short_answer(AutoProposer([NoProposal(), Abstaining("pld", 6, 0),
+                                      _Fixed("medusa", 2, 1)], cost), cost, 96)  # fmt: skip
+    assert new >= 0.95 * per_round_best() and new > 1.15 * old
+
+
+def test_prompt_lookup_learns_per_match_length_and_abstains_where_it_does_not_pay():
+    """Single repeated tokens are poor guesses in this text, repeated 3-grams good ones: after
+    the 1-token matches fail, lookup proposes nothing for them (auto gives those rounds to
+    another candidate) and still copies after 3-gram matches. (Costs where a second token
+    costs 30% more: on flat passes even a 1-in-14 guess pays, and lookup keeps guessing.)"""
+    cost = CostProfile([1, 2, 8], [1.0, 1.3, 1.6])
+    pld = PromptLookup(max_tokens=4, branches=1, budget=cost_budget(cost))
+    pld.reset([])
+    one = [5, 9, 7, 5]  # the tail (5) occurred once: a 1-token match
+    for _ in range(12):
+        tree = pld.propose(one, 4, PositionNoise(0))
+        if not tree.size:
+            break
+        pld.observe(one, tree, Verification([], 0, np.zeros(len(tree), int)))
+    assert pld.propose(one, 4, PositionNoise(0)).size == 0  # abstains on 1-token matches
+    three = [1, 2, 3, 4, 6, 1, 2, 3]  # a 3-gram match, never tried: the prior tries it
+    tree = pld.propose(three, 4, PositionNoise(0))
+    assert tree.size >= 1 and tree.path_tokens(len(tree) - 1)[:2] == [4, 6]
+    assert set(pld.models) == {1, 3} and pld.models[1].rate <= 0.25

@@ -22,8 +22,13 @@ class AutoProposer:
     """Picks a proposer per round by measured acceptance and estimated cost.
 
     Plain steps' tokens per second is known from the cost profile (one token per one-token
-    pass), so they are never tried to find it out, and a candidate that scores as much (prompt
-    lookup whose rounds found no match: each was a plain step) is preferred to them on the tie.
+    pass), so they are never tried to find it out, and a candidate that scores as much (one
+    whose rounds found nothing: each was a plain step) is preferred to them on the tie. A
+    candidate that `abstains` (prompt lookup: it proposes only where its match is worth a
+    verification) and proposes nothing leaves the round to the next choice, so it is scored on
+    the rounds it speaks and asked first whenever that score is the best: a lookup that copies
+    well when it finds a passage is not averaged down by the rounds it finds none (one-model
+    `auto` lost to prompt lookup alone that way: docs/benchmarks.md, "Issue 30, session 9").
     Each other candidate is tried up to `explore` rounds (first tries of all before second
     ones); afterwards the one with the best tokens per second (tokens per round over seconds per round, each an exponential average over rounds, so
     a score last updated long ago counts for little against a fresh try) proposes. A losing
@@ -120,12 +125,13 @@ class AutoProposer:
     def score(self, i: int) -> float:
         return self.tokens[i] / self.seconds[i] if self.seconds[i] > 0 else float("inf")
 
-    def _choose(self, room: int) -> int:
+    def _choose(self, room: int, skip: frozenset[int] = frozenset()) -> int:
         n = len(self.proposers)
         self._ref = 0.0
-        scored = [i for i in range(n) if self.seconds[i] > 0]
+        live = [i for i in range(n) if i not in skip]
+        scored = [i for i in live if self.seconds[i] > 0]
         if not scored:  # nothing known yet: every first try is needed
-            return min(range(n), key=lambda i: self.tried[i])
+            return min(live, key=lambda i: self.tried[i])
         # a tie goes to the candidate that speculates: one whose rounds found nothing scored
         # exactly a plain step's (prompt lookup without a match is one), so it is no worse,
         # and choosing it keeps its score fresh for when it finds something
@@ -137,7 +143,7 @@ class AutoProposer:
         )
         rate = self.score(best)
         budget = self.explore_share * (self.committed + room) / rate - self.lost
-        explore = [i for i in range(n) if self.tried[i] < self.explore]
+        explore = [i for i in live if self.tried[i] < self.explore]
         if explore:
             i = min(explore, key=lambda i: self.tried[i])
         elif self.round - self._last_check < self.period:  # at most one re-check per period
@@ -145,7 +151,7 @@ class AutoProposer:
         else:
             due = [
                 i
-                for i in range(n)
+                for i in live
                 if i != best
                 and not self.known[i]
                 and self.round - self.last_tried[i] >= self.wait[i]
@@ -172,10 +178,20 @@ class AutoProposer:
         return sum(d.work - d.switch_work for d in self.drafts)
 
     def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
-        self._current = i = self._choose(max_depth + 1)
-        self.last_name = self.proposers[i].name
-        self._work = self._draft_work()
-        return self.proposers[i].propose(seq, max_depth, noise)
+        skip: set[int] = set()
+        while True:
+            self._current = i = self._choose(max_depth + 1, frozenset(skip))
+            self.last_name = self.proposers[i].name
+            self._work = self._draft_work()
+            tree = self.proposers[i].propose(seq, max_depth, noise)
+            # a candidate that abstains (proposes nothing where its guess is not worth a
+            # verification: prompt lookup without a match that pays) leaves the round to the
+            # others; it is scored on the rounds it speaks
+            if tree.size or not getattr(self.proposers[i], "abstains", False):
+                return tree
+            skip.add(i)
+            if len(skip) == len(self.proposers):
+                return tree  # every candidate abstained: a plain step, the last one's
 
     def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         i = self._current

@@ -37,6 +37,10 @@ class NgramIndex:
     def continuations(self, k: int, branches: int) -> list[list[int]]:
         """Up to `branches` distinct continuations (<= k tokens) of earlier occurrences of the
         longest suffix that occurred before; most recent occurrences first."""
+        return self.match(k, branches)[0]
+
+    def match(self, k: int, branches: int) -> tuple[list[list[int]], int]:
+        """`continuations`, and the length of the suffix they continue (0: none found)."""
         s = self.seq
         for n in range(min(self.max_n, len(s) - 1), self.min_n - 1, -1):
             ends = self.ends.get(tuple(s[len(s) - n :]), [])
@@ -50,8 +54,8 @@ class NgramIndex:
                     if len(out) >= branches:
                         break
             if out:
-                return out
-        return []
+                return out, n
+        return [], 0
 
 
 class AcceptanceModel:
@@ -76,7 +80,15 @@ class AcceptanceModel:
 
 
 class PromptLookup:
-    """Prompt lookup decoding: propose what followed earlier occurrences of the context's tail."""
+    """Prompt lookup decoding: propose what followed earlier occurrences of the context's tail.
+
+    How far the verifier follows a copy depends on how long a tail matched (a repeated 3-gram
+    of code says more than one repeated token), so acceptance is learnt per match length, and
+    with a cost budget a round whose match is not worth verifying proposes nothing (`abstains`:
+    `auto` then gives the round to another candidate, and scores prompt lookup only on the
+    rounds it spoke)."""
+
+    abstains = True
 
     def __init__(
         self,
@@ -93,12 +105,13 @@ class PromptLookup:
         self.max_tokens = max_tokens
         self.branches = branches
         self.budget = fixed_budget(budget) if isinstance(budget, int) else budget
-        self.model = AcceptanceModel()
+        self.models: dict[int, AcceptanceModel] = {}  # per matched suffix length
         self._depth = 0
+        self._n = 0
 
     def reset(self, prompt: Sequence[int]) -> None:
         self.index = NgramIndex(self.index.min_n, self.index.max_n)
-        self.model = AcceptanceModel()
+        self.models = {}
 
     def guesses(self, seq: Sequence[int], k: int) -> list[list[int]]:
         self.index.extend(seq)
@@ -107,12 +120,15 @@ class PromptLookup:
     def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
         k = min(self.max_tokens, max_depth)
         tree = TokenTree.root(seq[-1])
+        self.index.extend(seq)
+        found, self._n = self.index.match(k, self.branches)
         nodes = k * self.branches
-        if self.budget is not None:
-            # at least one token: a budget of 0 would never learn that lookups pay off
-            nodes = max(1, int(self.budget(self.model.values(nodes))))
+        if found and self.budget is not None:
+            model = self.models.setdefault(self._n, AcceptanceModel())
+            # 0 where this length of match has not paid (the prior, 1/2, always tries it)
+            nodes = int(self.budget(model.values(nodes)))
             k = min(k, nodes)
-        for cont in self.guesses(seq, k):
+        for cont in found:
             room = nodes - tree.size
             if room <= 0:
                 break
@@ -122,7 +138,8 @@ class PromptLookup:
 
     def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         if tree.size:
-            self.model.update(self._depth, len(verdict.path))
+            model = self.models.setdefault(self._n, AcceptanceModel())
+            model.update(self._depth, len(verdict.path))
 
 
 def build(res: Resources, spec: Speculation) -> PromptLookup:
