@@ -58,7 +58,7 @@ def add_heads_argument(p: Any) -> None:
     p.add_argument(
         "--heads",
         metavar="FOLDER",
-        help="Medusa heads for the verifier (from `ondevice distill --heads medusa`), read by "
+        help="heads for the verifier (from `ondevice distill --heads hydra` or `medusa`), read by "
         "--method medusa (default: those found in the cache)",
     )
 

@@ -390,6 +390,7 @@ class HeadsDraft:
         self.work = 0.0  # estimated seconds, as `DraftState.work` (auto adds them to a round)
         self.switch_work = 0.0  # nothing to catch up on: the verifier's state is always there
         self._z: dict[int, mx.array] = {}  # node -> the state its token was guessed from
+        self._kernel = _int8_products(model, heads, info)  # (heads, rows) or None
 
     def calibration(self, size: int) -> tuple[np.ndarray, np.ndarray]:
         return self._calibration
@@ -400,8 +401,14 @@ class HeadsDraft:
     def _logits(self, k: int, z: mx.array, tokens: Sequence[int]) -> np.ndarray:
         """Head k over states `z` (n, d) followed by `tokens`: (n, vocab) logits, the ids
         beyond the subset at -inf."""
-        nz = self.heads.step(k, z, embed_tokens(self.model, tokens))
-        sub = head_logits(self.model, nz, self.info.vocab_subset).astype(mx.float32)
+        e = embed_tokens(self.model, tokens)
+        if self._kernel is None:
+            nz = self.heads.step(k, z, e)
+            sub = head_logits(self.model, nz, self.info.vocab_subset).astype(mx.float32)
+        else:  # the same step, its products in int8 by the CPU kernel
+            steps, rows = self._kernel
+            nz = z + nn.silu(steps[k](mx.concatenate([_unit(z), _unit(e)], axis=-1)))
+            sub = rows(nz)
         mx.eval(nz, sub)
         self.work += self.level_cost
         self._new = nz
@@ -425,6 +432,25 @@ class HeadsDraft:
 
     def commit(self, tree: TokenTree, path: Sequence[int]) -> None:
         self._z = {}
+
+
+def _int8_products(
+    model: Model, heads: SequentialHeads, info: HeadsInfo
+) -> tuple[list[Any], Any] | None:
+    """Where the CPU kernel serves the verifier and the processor has int8 dot products: the
+    heads' products and the subset's output rows as int8 products (`kernel.KernelLinear`: a
+    quarter of the float32 heads' bytes and half of the bf16 rows', about half a level's
+    time: a draft's guesses need not be exact, the verification is). None elsewhere (a Mac:
+    MLX on the GPU), where the heads run as trained."""
+    from ondevice.runtime import kernel
+
+    if not (kernel.serves(model) and kernel.cpu_has_int8()):
+        return None
+    head = model.head
+    if not isinstance(head, kernel.KernelLinear):
+        return None
+    steps = [kernel.KernelLinear(h.weight, h.bias, "int8") for h in heads.heads]
+    return steps, head.top(info.vocab_subset, "int8")
 
 
 def level_cost(model: Model, info: HeadsInfo, verify_cost: CostProfile | None) -> float:
