@@ -25,7 +25,8 @@ their sources in docs/benchmarks.md, "Issue 26 item 5 / issue 30 item 5: Mac pre
   ids 0.76 x 0.928 (docs/benchmarks.md: 92.8% of its greedy tokens lie in that range) or 0.76.
   Medusa heads: this project's held-out agreement per head (docs/distill.md) and Medusa-1's on
   Vicuna-7B (top-1..5 per head as logged in training, FasterDecoding/Medusa
-  `assets/medusa_acc.csv`). Self-drafts: this project's measured skip sets of the 1.5B verifier
+  `assets/medusa_acc.csv`); Hydra's sequential heads: this project's held-out agreement along
+  the verifier's path, each level of their tree a GPU pass of its own (docs/distill.md). Self-drafts: this project's measured skip sets of the 1.5B verifier
   (docs/benchmarks.md, issue 30) and SWIFT's setting (skip ratio 0.45 with a 0.90 agreement
   target, hemingkx/SWIFT `eval_llama.sh`).
 
@@ -51,7 +52,7 @@ from ondevice.models.config import ModelConfig
 from ondevice.models.transformer import Model
 from ondevice.models.weights import _quantize
 from ondevice.proposers.layer_skip import draft_fraction, scaled_profile
-from ondevice.proposers.medusa import MedusaHeads
+from ondevice.proposers.medusa import MedusaHeads, SequentialHeads
 from ondevice.runtime.memory import param_bytes
 from ondevice.runtime.pass_costs import CostProfile, best_rate
 from ondevice.runtime.placement import Placement, candidates, choose
@@ -93,6 +94,11 @@ MEDUSA_HEADS = {
         [0.201, 0.288, 0.348, 0.383, 0.417],
         [0.147, 0.225, 0.274, 0.311, 0.340],
     ],
+}
+# Hydra (sequential) heads: per head, top-1 agreement along the verifier's own path (head k
+# reads the token before its guess), as `ondevice distill --heads hydra` measures it held out
+HYDRA_HEADS = {
+    "this project's hydra heads (session 10)": [[0.0], [0.0], [0.0], [0.0]],
 }
 MEDUSA_VOCAB = 32768  # the heads' output rows (`ondevice distill --heads medusa` default)
 MEDUSA_MAX_NODES = 64  # as `proposers/medusa.py`
@@ -190,12 +196,18 @@ def medusa_values(
     return np.sort(np.array(values))[::-1][:max_nodes]
 
 
-def medusa_heads_seconds(mac: Mac, verifier: Model, num_heads: int = 4) -> float:
-    """The heads' own GPU pass after each verification: the heads (float32, as
-    `medusa.load_heads` holds them) and the verifier's output rows for their subset."""
-    heads = param_bytes(MedusaHeads(verifier.config.hidden_size, num_heads))
+def medusa_heads_seconds(
+    mac: Mac, verifier: Model, num_heads: int = 4, kind: str = "medusa"
+) -> float:
+    """The heads' own GPU work after each verification, reading the heads (float32, as
+    `medusa.load_heads` holds them) and the verifier's output rows for their subset: one pass
+    of every head (Medusa), or a pass per level of the tree (Hydra: each level reads one head,
+    over the state and the token before, and the rows again)."""
+    d = verifier.config.hidden_size
     rows = param_bytes(verifier.head) * MEDUSA_VOCAB / verifier.config.vocab_size
-    return mac.gpu_seconds(heads + rows)
+    if kind == "hydra":
+        return num_heads * mac.gpu_seconds(param_bytes(SequentialHeads(d, 1)) + rows)
+    return mac.gpu_seconds(param_bytes(MedusaHeads(d, num_heads)) + rows)
 
 
 def medusa_prediction(
@@ -253,13 +265,15 @@ def report(mac: Mac) -> list[str]:
         steps = " | ".join(f"{float(drafts[b](1)) * 1000:.1f} ms" for b in ("mlx", "coreml"))
         out.append(f"| {d.name} | {steps} | {d.alpha} | " + " | ".join(cells) + " |")
 
-    heads_s = medusa_heads_seconds(mac, verifier)
     out += [
         "",
         "| method `medusa` (4 heads, GPU) | heads' pass | nodes verified | tokens/pass | speed |",
         "|---|---|---|---|---|",
     ]
-    for name, accuracy in MEDUSA_HEADS.items():
+    heads = [("medusa", n, a) for n, a in MEDUSA_HEADS.items()]
+    heads += [("hydra", n, a) for n, a in HYDRA_HEADS.items()]
+    for kind, name, accuracy in heads:
+        heads_s = medusa_heads_seconds(mac, verifier, kind=kind)
         n, per_pass, rate = medusa_prediction(verify, heads_s, medusa_values(accuracy))
         out.append(
             f"| {name} | {heads_s * 1000:.2f} ms | {n} | {per_pass:.2f} | "

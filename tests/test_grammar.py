@@ -259,3 +259,22 @@ def test_constrained_tree_matches_the_masked_law(tmp_path, grammar16, mode):
     counts = _joint(tree, N // 2)
     assert accepted > 0
     assert _p(counts, exact_joint(ver, PROMPT, params)) > 0.001
+
+
+def test_json_schema_with_sequential_heads_of_a_cut_vocabulary(pair, tmp_path):
+    """Heads whose rows cover only the first ids (the chooser pads their logits to every id
+    for the grammar's mask): the constrained greedy answer is the verifier's own, and valid."""
+    from support.medusa_heads import write_heads
+
+    from ondevice.models import load_model
+
+    v = pair[0]
+    heads = write_heads(load_model(v).model, tmp_path / "h", num_heads=3, noise=0.05,
+                        vocab_subset=100, kind="hydra")  # fmt: skip
+    g = ondevice.load(v, heads=heads)
+    grammar = g.grammar(json_schema=SCHEMA)
+    spec = g.generate("hello", max_tokens=60, method="medusa", grammar=grammar)
+    plain = g.generate("hello", max_tokens=60, speculative=False, grammar=grammar)
+    assert spec.tokens == plain.tokens and spec.finish_reason == "stop"
+    _check(spec.text)
+    assert spec.stats["drafted"] > 0

@@ -63,6 +63,16 @@ def test_medusa_heads_that_never_hit_cost_plain_decoding_their_own_pass():
     assert n >= 2 and per_pass > 1.5 and rate > 1.0 / float(verify(1))
 
 
+def test_sequential_heads_pay_a_gpu_pass_per_level_of_their_tree():
+    mac = pp.Mac("M4 Pro", 273.0)
+    verifier, verify = mac.verifier()
+    medusa = pp.medusa_heads_seconds(mac, verifier)
+    hydra = pp.medusa_heads_seconds(mac, verifier, kind="hydra")
+    one_level = pp.medusa_heads_seconds(mac, verifier, 1, kind="hydra")
+    assert hydra == pytest.approx(4 * one_level) and hydra > medusa
+    assert hydra < 0.25 * float(verify(1))
+
+
 def test_medusa_tree_values_are_products_of_per_head_rank_accuracies():
     values = pp.medusa_values([[0.5, 0.7], [0.4]])
     # depth 1: ranks 0.5, 0.2; depth 2: 0.5 * 0.4, 0.2 * 0.4
@@ -87,7 +97,7 @@ def test_the_report_prints_every_draft_method_and_machine(capsys):
     out = capsys.readouterr().out
     assert out.count("| 0.5B (today's) |") == 2 and out.count("SWIFT's setting") == 2
     assert all(d.name in out for d in pp.DRAFTS)
-    assert all(name in out for name in pp.MEDUSA_HEADS)
+    assert all(name in out for name in (*pp.MEDUSA_HEADS, *pp.HYDRA_HEADS))
     rows = [line for line in out.splitlines() if line.startswith("| 0.5B")]
     assert len(rows) == 2 * len(pp.DRAFTS)
     assert all(row.count("**") == 4 for row in rows)  # `choose`'s pick at each of two alphas

@@ -399,8 +399,9 @@ class HeadsDraft:
         self.hidden = None
 
     def _logits(self, k: int, z: mx.array, tokens: Sequence[int]) -> np.ndarray:
-        """Head k over states `z` (n, d) followed by `tokens`: (n, vocab) logits, the ids
-        beyond the subset at -inf."""
+        """Head k over states `z` (n, d) followed by `tokens`: (n, vocab_subset) logits (a
+        truncated vocabulary, as an FR-Spec draft's: the chooser pads them where it needs
+        every id, `sampling.align`)."""
         e = embed_tokens(self.model, tokens)
         if self._kernel is None:
             nz = self.heads.step(k, z, e)
@@ -412,9 +413,7 @@ class HeadsDraft:
         mx.eval(nz, sub)
         self.work += self.level_cost
         self._new = nz
-        out = np.full((len(tokens), self.vocab), -np.inf, np.float32)
-        out[:, : self.info.vocab_subset] = np.array(sub)
-        return out
+        return np.array(sub)
 
     def sync(self, seq: Sequence[int]) -> np.ndarray:
         assert self.hidden is not None, "the proposer drafts only after a verification"
