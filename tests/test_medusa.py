@@ -430,3 +430,46 @@ def test_shards_without_tokens_are_refused_for_sequential_heads(tmp_path):
     assert Positions([path], 2).n == 3  # independent heads need no tokens
     with pytest.raises(ondevice.OndeviceError, match="delete"):
         Positions([path], 2, embeddings=object())  # type: ignore[arg-type]
+
+
+def test_sequential_heads_verify_a_copy_of_the_context_beside_their_guesses(verifier, tmp_path):
+    """The lookup's branch (what followed the context's tail earlier) joins the heads' tree;
+    its model learns how far the verifier followed it, and a path through it does not
+    calibrate the heads."""
+    from ondevice.proposers.base import Verification, fixed_budget
+    from ondevice.proposers.lookup import PromptLookup
+    from ondevice.proposers.medusa import HeadsDraft, HydraProposer
+    from ondevice.rules.noise import PositionNoise
+    from ondevice.rules.sampling import SamplingParams
+
+    model = load_model(verifier).model
+    d, vocab = model.config.hidden_size, model.config.vocab_size
+    heads, info = load_heads(write_heads(model, tmp_path / "h", num_heads=2, noise=0.1,
+                                         kind="hydra"), model)  # fmt: skip
+    draft = HeadsDraft(model, heads, info, vocab, (np.ones(4), np.ones(4)))
+    prop = HydraProposer(draft, vocab, SamplingParams(), mode="dynamic", depth=2, topk=2,
+                         budget=fixed_budget(3), lookup=PromptLookup(branches=1, max_tokens=4))  # fmt: skip
+    seq = [5, 6, 7, 8, 9, 5, 6]  # the tail (5, 6) occurred before: followed by 7 8 9 5
+    prop.reset(seq)
+    tree = prop.propose(seq, 4, PositionNoise(0))  # no state yet: the copy alone
+    assert len(tree) == 5 and tree.path_tokens(4) == [7, 8, 9, 5]
+    hidden = np.ones((len(tree), d), np.float32)
+    prop.observe(seq, tree, Verification([1, 2], 9, np.zeros(len(tree), int), hidden))
+    assert (prop.lookup.models[2].acc, prop.lookup.models[2].rej) == (3, 2)  # 2 of 4, rejected
+    seq = seq + [7, 8, 9]  # tail (7, 8, 9): followed earlier by 5 6 7 8
+    tree = prop.propose(seq, 4, PositionNoise(0))
+    copied = prop._copied
+    assert [tree.tokens[n] for n in copied] == [5, 6, 7, 8]
+    heads_nodes = [n for n in range(1, len(tree)) if n not in copied]
+    assert 1 <= len(heads_nodes) <= 3  # the heads' budget
+    before, tried = prop.realised.copy(), prop._depth_pred > 0
+    kept = len(prop._kept)  # the nodes the heads grew come first in the tree
+    assert all(n >= kept for n in copied[1:])
+    path = copied[:3]  # the verifier follows the copy for three tokens
+    prop.observe(
+        seq, tree, Verification(path, 8, np.zeros(len(tree), int), np.ones((len(tree), d)))
+    )
+    assert (prop.lookup.models[3].acc, prop.lookup.models[3].rej) == (4, 2)  # its own length
+    own = 1 if copied[0] < kept else 0  # the copy's first token may be a heads' guess too
+    depth = np.arange(len(before))
+    np.testing.assert_array_equal(prop.realised - before, tried & (depth >= 1) & (depth <= own))

@@ -107,7 +107,7 @@ class PromptLookup:
         self.budget = fixed_budget(budget) if isinstance(budget, int) else budget
         self.models: dict[int, AcceptanceModel] = {}  # per matched suffix length
         self._depth = 0
-        self._n = 0
+        self.last_match = 0  # the length of the tail the last proposal continued
 
     def reset(self, prompt: Sequence[int]) -> None:
         self.index = NgramIndex(self.index.min_n, self.index.max_n)
@@ -121,10 +121,10 @@ class PromptLookup:
         k = min(self.max_tokens, max_depth)
         tree = TokenTree.root(seq[-1])
         self.index.extend(seq)
-        found, self._n = self.index.match(k, self.branches)
+        found, self.last_match = self.index.match(k, self.branches)
         nodes = k * self.branches
         if found and self.budget is not None:
-            model = self.models.setdefault(self._n, AcceptanceModel())
+            model = self.models.setdefault(self.last_match, AcceptanceModel())
             # 0 where this length of match has not paid (the prior, 1/2, always tries it)
             nodes = int(self.budget(model.values(nodes)))
             k = min(k, nodes)
@@ -138,7 +138,7 @@ class PromptLookup:
 
     def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         if tree.size:
-            model = self.models.setdefault(self._n, AcceptanceModel())
+            model = self.models.setdefault(self.last_match, AcceptanceModel())
             model.update(self._depth, len(verdict.path))
 
 

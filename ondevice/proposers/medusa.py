@@ -29,7 +29,7 @@ import heapq
 import itertools
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +48,7 @@ from ondevice.proposers.base import (
     cost_rate,
 )
 from ondevice.proposers.draft_tree import DraftTreeProposer, top_tokens
+from ondevice.proposers.lookup import AcceptanceModel, PromptLookup
 from ondevice.proposers.resources import Calibrations
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
@@ -467,31 +468,65 @@ def level_cost(model: Model, info: HeadsInfo, verify_cost: CostProfile | None) -
 class HydraProposer(DraftTreeProposer):
     """Trees from sequential heads: a dynamic tree grown as from a draft model (see
     `DraftTreeProposer`), each level one evaluation of the next head. The first round of a
-    generation, before any verification gave a state, is a plain step."""
+    generation, before any verification gave a state, is a plain step.
+
+    With `lookup` (prompt lookup), what followed the context's tail earlier is added to the
+    tree as one more branch where its match pays (`PromptLookup.propose`: learnt per match
+    length): the heads guess fresh text, a copy of a passage comes from the lookup, and one
+    verification takes whichever the verifier follows (a node both name is shared)."""
 
     wants_hidden = True
 
-    def __init__(self, draft: HeadsDraft, *args: Any, **kwargs: Any):
+    def __init__(
+        self, draft: HeadsDraft, *args: Any, lookup: PromptLookup | None = None, **kwargs: Any
+    ):
         super().__init__(draft, *args, **kwargs)
         self.heads_draft = draft
+        self.lookup = lookup
         self._proposed: TokenTree | None = None
+        self._copied: list[int] = []  # the lookup's branch in the proposed tree (nodes)
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        super().reset(prompt)
+        if self.lookup is not None:
+            self.lookup.reset(prompt)
 
     def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
-        self._proposed = None
+        self._proposed, self._copied = None, []
         if self.heads_draft.hidden is None or max_depth < 1:
-            return TokenTree.root(seq[-1])
-        self._proposed = super().propose(seq, max_depth, noise)
-        return self._proposed
+            tree = TokenTree.root(seq[-1])
+            self._cand, self._depth_pred = None, None  # no heads' tree to calibrate
+        else:
+            tree = self._proposed = super().propose(seq, max_depth, noise)
+        if self.lookup is not None:
+            copy = self.lookup.propose(seq, max_depth, noise)
+            if copy.size:
+                self._proposed = tree
+                self._copied = tree.add_path(copy.path_tokens(len(copy) - 1))
+        return tree
 
     def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         """As `MedusaProposer.observe`: the next guesses start from the state at the last
-        accepted node whoever built the tree; only its own trees calibrate it."""
+        accepted node whoever built the tree; only its own trees calibrate it (the heads by
+        the part of the path that is theirs, the lookup by how far its branch was followed)."""
         hidden = verdict.hidden
         assert hidden is not None, "the tree decoder did not hand over the hidden states"
         last = hidden[verdict.path[-1] if verdict.path else 0]
         self.heads_draft.hidden = np.asarray(last, np.float32)
-        if self._proposed is not None and tree is self._proposed:
-            super().observe(seq, tree, verdict)
+        if self._proposed is None or tree is not self._proposed:
+            self._proposed = None
+            return
+        if self.lookup is not None and self._copied:
+            followed = 0
+            for a, b in zip(verdict.path, self._copied):
+                if a != b:
+                    break
+                followed += 1
+            model = self.lookup.models.setdefault(self.lookup.last_match, AcceptanceModel())
+            model.update(len(self._copied), followed)
+        if self._cand is not None:  # the heads' tree: the nodes it grew (`_kept`) calibrate it
+            own = list(itertools.takewhile(lambda n: n < len(self._kept), verdict.path))
+            super().observe(seq, tree, replace(verdict, path=own))
         self._proposed = None
 
 
@@ -549,6 +584,7 @@ def build(res: Resources, spec: Speculation) -> MedusaProposer | HydraProposer:
             draft, res.vocab, res.chooser, mode="dynamic", depth=depth, topk=WIDTH // 2,
             budget=cost_budget(res.verify_cost, cost), expand_cost=cost,
             rate=cost_rate(res.verify_cost, cost), name="medusa",
+            lookup=PromptLookup(branches=1, budget=cost_budget(res.verify_cost)),
         )  # fmt: skip
     return MedusaProposer(
         model, heads, info, depth=depth, budget=cost_budget(res.verify_cost),
