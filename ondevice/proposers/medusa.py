@@ -28,6 +28,7 @@ import hashlib
 import heapq
 import itertools
 import json
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from os import PathLike
@@ -391,6 +392,7 @@ class HeadsDraft:
         self.work = 0.0  # estimated seconds, as `DraftState.work` (auto adds them to a round)
         self.switch_work = 0.0  # nothing to catch up on: the verifier's state is always there
         self._z: dict[int, mx.array] = {}  # node -> the state its token was guessed from
+        self._new: mx.array | None = None  # the states the last level made
         self._kernel = _int8_products(model, heads, info)  # (heads, rows) or None
 
     def calibration(self, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -419,6 +421,7 @@ class HeadsDraft:
     def sync(self, seq: Sequence[int]) -> np.ndarray:
         assert self.hidden is not None, "the proposer drafts only after a verification"
         logits = self._logits(0, mx.array(self.hidden[None]), [seq[-1]])
+        assert self._new is not None
         self._z = {0: self._new[0]}
         return logits[0]
 
@@ -427,11 +430,17 @@ class HeadsDraft:
         assert len(depths) == 1, "a dynamic tree expands one level at a time"
         z = mx.stack([self._z[tree.parents[n]] for n in nodes])
         logits = self._logits(depths.pop(), z, [tree.tokens[n] for n in nodes])
-        self._z.update((n, self._new[i]) for i, n in enumerate(nodes))
+        new = self._new
+        assert new is not None
+        self._z.update((n, new[i]) for i, n in enumerate(nodes))
         return logits
 
     def commit(self, tree: TokenTree, path: Sequence[int]) -> None:
         self._z = {}
+
+
+# (heads, verifier) ids -> (the verifier, weakly: an id is reused after it is freed; products)
+_INT8: dict[tuple[int, int], tuple[weakref.ref, tuple[list[Any], Any]]] = {}
 
 
 def _int8_products(
@@ -449,8 +458,11 @@ def _int8_products(
     head = model.head
     if not isinstance(head, kernel.KernelLinear):
         return None
-    steps = [kernel.KernelLinear(h.weight, h.bias, "int8") for h in heads.heads]
-    return steps, head.top(info.vocab_subset, "int8")
+    key = (id(heads), id(model))  # the heads live as long as the process (`_LOADED`)
+    if key not in _INT8 or _INT8[key][0]() is not model:  # once: each generation builds anew
+        steps = [kernel.KernelLinear(h.weight, h.bias, "int8") for h in heads.heads]
+        _INT8[key] = weakref.ref(model), (steps, head.top(info.vocab_subset, "int8"))
+    return _INT8[key][1]
 
 
 def level_cost(model: Model, info: HeadsInfo, verify_cost: CostProfile | None) -> float:
