@@ -338,6 +338,7 @@ def test_sequential_heads_train_on_the_embedding_of_the_token_each_state_was_fol
     rng = np.random.default_rng(0)
     pieces = [rng.integers(3, 90, size=n).astype(np.int32) for n in (20, 13)]
     paths = hidden_shards(teacher, tmp_path, "train", pieces, k=4)
+    assert hidden_shards(teacher, tmp_path, "none", [], k=4) == []  # --chat-fraction 1
     pos = Positions(paths, 3, TokenEmbeddings(teacher.model))
     sel = np.arange(pos.n)
     h, e, ids, logp, w = pos.gather(sel)

@@ -194,7 +194,9 @@ def hidden_shards(
     (ids, log-probs) (R, L, k) over `pieces`, ROWS_PER_SHARD pieces each; existing shards are
     kept (a stopped run resumes), missing ones computed by batched prefill."""
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
+    paths: list[Path] = []
+    if not pieces:  # --chat-fraction 1: no documents
+        return paths
     L = max(len(p) for p in pieces)
     rows = max(1, batch_tokens // L)
     for s in range(0, len(pieces), ROWS_PER_SHARD):
