@@ -474,3 +474,19 @@ def test_sequential_heads_verify_a_copy_of_the_context_beside_their_guesses(veri
     own = 1 if copied[0] < kept else 0  # the copy's first token may be a heads' guess too
     depth = np.arange(len(before))
     np.testing.assert_array_equal(prop.realised - before, tried & (depth >= 1) & (depth <= own))
+
+
+def test_the_heads_shipped_for_the_default_verifier_are_a_readable_folder():
+    """`Package.resources/heads/*/`: sequential heads for Qwen2.5-Coder-1.5B, within the 30 MB
+    a shipped resource may take, their weights the shapes heads.json says."""
+    folders = sorted((ROOT / "Package.resources" / "heads").glob(f"*/{META}"))
+    assert folders
+    for meta in folders:
+        arrays, info = read_heads(meta.parent)
+        assert info.kind == "hydra" and info.num_heads == len(info.extra["head_agreement"])
+        d = info.hidden_size
+        assert {k: tuple(v.shape) for k, v in arrays.items()} == {
+            **{f"heads.{k}.weight": (d, 2 * d) for k in range(info.num_heads)},
+            **{f"heads.{k}.bias": (d,) for k in range(info.num_heads)},
+        }
+        assert (meta.parent / WEIGHTS).stat().st_size < 30e6
