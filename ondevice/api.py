@@ -734,8 +734,9 @@ def load(
     prompt_cache: a file written by `ondevice cache-prompt` (`Generator.save_prompt_cache`):
     prompts that begin with its tokens start from its KV. prompt_cache_bytes: memory for the
     KV of recent prompts and answers, reused by later prompts that share a prefix (0: off).
-    heads: a folder of Medusa heads for this verifier (`ondevice distill --heads medusa`), read
-    by method "medusa" (None: it looks for them in the cache); checked against the verifier now.
+    heads: a folder of heads for this verifier (`ondevice distill --heads hydra` or `medusa`),
+    read by method "medusa" (None: it looks in the cache, then among the heads shipped with
+    ondevice); checked against the verifier now.
     """
     _check_load_arguments(verifier, draft, draft_backend, dtype, quantize, dequantize)
     from ondevice.sources.hub import resolve

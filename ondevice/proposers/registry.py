@@ -75,8 +75,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("self", "self-speculation: the verifier drafts with a measured skip set of its own "
            "layers, no draft model", "the draft path's longest length",
            proposer="ondevice.proposers.layer_skip:build", in_auto=True),
-    Method("medusa", "Medusa heads on the verifier's last hidden state propose a token tree, no "
-           "draft model (heads from `ondevice distill --heads medusa`)",
+    Method("medusa", "heads on the verifier's last hidden state propose a token tree, no draft "
+           "model (heads shipped for the default verifier, or from `ondevice distill --heads`)",
            "the tree's depth (at most the number of heads)",
            proposer="ondevice.proposers.medusa:build", in_auto=True),
     Method("auto", "picks per round among plain steps, the draft's greedy path, tree and cascade "
