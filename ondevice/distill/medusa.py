@@ -370,7 +370,8 @@ class Positions:
                     )
                 hid.append(z["hidden"]), ids.append(z["ids"]), logp.append(z["logp"])
                 length.append(z["length"])
-                toks.append(z["tokens"] if embeddings is not None else z["length"][:, None])
+                if embeddings is not None:
+                    toks.append(z["tokens"])
         if not hid:
             raise OndeviceError(f"no positions to train or check heads on in {paths[:1]} ...")
         L = max(h.shape[1] for h in hid)
@@ -378,7 +379,7 @@ class Positions:
         self.hidden = np.concatenate([pad(h) for h in hid])
         self.ids = np.concatenate([pad(a) for a in ids])
         self.logp = np.concatenate([pad(a) for a in logp])
-        self.tokens = np.concatenate([pad(a) for a in toks])
+        self.tokens = np.concatenate([pad(a) for a in toks]) if toks else None
         self.length = np.concatenate(length)
         self.embeddings = embeddings
         self.K = num_heads
@@ -394,7 +395,8 @@ class Positions:
         last = self.ids.shape[1] - 1
         tt = np.minimum(tt, last)
         embeds = None
-        if self.embeddings is not None:  # the token at t+k: the one after position t+k-1
+        if self.embeddings is not None and self.tokens is not None:
+            # the token at t+k: the one after position t+k-1
             embeds = self.embeddings(self.tokens[r[:, None], np.minimum(tt - 1, last)])
         return (
             mx.array(self.hidden[r, t].astype(np.float32)),

@@ -138,8 +138,12 @@ class PromptLookup:
 
     def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         if tree.size:
-            model = self.models.setdefault(self.last_match, AcceptanceModel())
-            model.update(self._depth, len(verdict.path))
+            self.learn(self._depth, len(verdict.path))
+
+    def learn(self, proposed: int, accepted: int) -> None:
+        """The last proposal's outcome (`proposed` tokens deep, `accepted` followed), learnt for
+        the length of the tail it continued."""
+        self.models.setdefault(self.last_match, AcceptanceModel()).update(proposed, accepted)
 
 
 def build(res: Resources, spec: Speculation) -> PromptLookup:

@@ -49,7 +49,7 @@ from ondevice.proposers.base import (
     cost_rate,
 )
 from ondevice.proposers.draft_tree import DraftTreeProposer, top_tokens
-from ondevice.proposers.lookup import AcceptanceModel, PromptLookup
+from ondevice.proposers.lookup import PromptLookup
 from ondevice.proposers.resources import Calibrations
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
@@ -74,8 +74,6 @@ class MedusaHeads(nn.Module):
     """K residual blocks over hidden states: (..., d) -> (..., K, d). Each head reads the state
     alone (Medusa); `embeds`, the path's tokens, is accepted for `SequentialHeads`' signature."""
 
-    kind = "medusa"
-
     def __init__(self, hidden_size: int, num_heads: int):
         super().__init__()
         self.heads = [nn.Linear(hidden_size, hidden_size) for _ in range(num_heads)]
@@ -90,6 +88,12 @@ def _unit(x: mx.array) -> mx.array:
     return x * mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + 1e-6)
 
 
+def sequential_step(linear: Any, z: mx.array, embed: mx.array) -> mx.array:
+    """One sequential head: `z + SiLU(linear([unit(z); unit(embed)]))`, with the head's
+    product `linear` (its nn.Linear, or the CPU kernel's int8 copy of it)."""
+    return z + nn.silu(linear(mx.concatenate([_unit(z), _unit(embed)], axis=-1)))
+
+
 class SequentialHeads(nn.Module):
     """Hydra's sequentially dependent heads (Ankner et al. 2024): head k reads the state z_{k-1}
     that head k-1 produced (z_0 = the verifier's state h at t) and the embedding of the token at
@@ -101,8 +105,6 @@ class SequentialHeads(nn.Module):
 
     (..., d), (..., K, d) -> (..., K, d): every head's state over a known path (training)."""
 
-    kind = "hydra"
-
     def __init__(self, hidden_size: int, num_heads: int):
         super().__init__()
         self.heads = [nn.Linear(2 * hidden_size, hidden_size) for _ in range(num_heads)]
@@ -110,8 +112,7 @@ class SequentialHeads(nn.Module):
     def step(self, k: int, z: mx.array, embed: mx.array) -> mx.array:
         """Head k (from 0): the next state from `z` (..., d) and the embedding (..., d) of the
         token that follows it."""
-        x = mx.concatenate([_unit(z), _unit(embed)], axis=-1)
-        return z + nn.silu(self.heads[k](x))
+        return sequential_step(self.heads[k], z, embed)
 
     def __call__(self, h: mx.array, embeds: mx.array | None = None) -> mx.array:
         assert embeds is not None, "sequential heads read the path's token embeddings"
@@ -374,8 +375,6 @@ class HeadsDraft:
     run): `level_cost` per head evaluated, from the verifier's pass cost by the share of the
     bytes a level reads (`level_cost`)."""
 
-    tree_pass = False
-
     def __init__(
         self,
         model: Model,
@@ -411,7 +410,7 @@ class HeadsDraft:
             sub = head_logits(self.model, nz, self.info.vocab_subset).astype(mx.float32)
         else:  # the same step, its products in int8 by the CPU kernel
             steps, rows = self._kernel
-            nz = z + nn.silu(steps[k](mx.concatenate([_unit(z), _unit(e)], axis=-1)))
+            nz = sequential_step(steps[k], z, e)
             sub = rows(nz)
         mx.eval(nz, sub)
         self.work += self.level_cost
@@ -534,8 +533,7 @@ class HydraProposer(DraftTreeProposer):
                 if a != b:
                     break
                 followed += 1
-            model = self.lookup.models.setdefault(self.lookup.last_match, AcceptanceModel())
-            model.update(len(self._copied), followed)
+            self.lookup.learn(len(self._copied), followed)
         if self._cand is not None:  # the heads' tree: the nodes it grew (`_kept`) calibrate it
             own = list(itertools.takewhile(lambda n: n < len(self._kept), verdict.path))
             super().observe(seq, tree, replace(verdict, path=own))
