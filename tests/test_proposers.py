@@ -405,6 +405,37 @@ def test_auto_starts_an_answer_from_what_earlier_answers_learnt():
     assert memory["tree"][0] / memory["tree"][1] > 1.0  # and it remembers this answer too
 
 
+class _FadingOut(_Fixed):
+    """Heads on an answer whose last part stops suiting them: 3 of 6 right for `until` calls,
+    then nothing."""
+
+    def __init__(self, name, until):
+        super().__init__(name, 6, 3)
+        self.until = until
+
+    def propose(self, seq, max_depth, noise):
+        self.good = 3 if self.calls < self.until else 0
+        return super().propose(seq, max_depth, noise)
+
+
+def test_auto_remembers_a_candidate_by_its_long_run_not_by_an_answers_last_rounds():
+    """One answer's weak ending (the rounds auto was leaving the heads on) must not keep them
+    out of the next answers (Spec-Bench dev, session 10: after humanities ended badly for the
+    heads, four answers ran on plain steps and prompt lookup; math_reasoning 1.19x where the
+    heads alone made 2.29x). Remembering the last rounds made the next answer start on plain
+    steps; a long-run average starts it on the heads."""
+    cost = CostProfile([1, 8], [1.0, 2.2])
+    memory: dict = {}
+    fading = _FadingOut("medusa", 40)
+    _short_answer(AutoProposer([NoProposal(), fading], cost, memory=memory), cost, 200)
+    assert fading.calls > 40  # the heads' weak ending was tried, then left
+    toks, secs = memory["medusa"]
+    assert toks / secs > 1.0  # still better than a plain step's 1 token a second
+    again = _Fixed("medusa", 6, 3)
+    _short_answer(AutoProposer([NoProposal(), again], cost, memory=memory), cost, 8)
+    assert again.calls >= 2  # the next answer starts on the heads
+
+
 def test_auto_knows_plain_steps_without_trying_them():
     cost = CostProfile([1, 8], [1.0, 1.5])
     good = _Fixed("pld", 3, 3)

@@ -16,6 +16,9 @@ from ondevice.runtime.pass_costs import CostProfile
 
 EXPLORE_SHARE = 0.02  # of a generation's time at the best known rate that tries may lose
 TIE = 1e-9  # relative: scores this close count as equal (rounding in the averages)
+# the weight of a round in what later answers start from (`memory`): about the last 30 rounds
+# a candidate made, most of an answer or two, not the last few rounds of the last answer
+LONG_RUN = 1 / 32
 
 
 class AutoProposer:
@@ -51,7 +54,11 @@ class AutoProposer:
     A generation starts from what the pair's earlier generations learnt of each candidate
     (`memory`, kept in the pair's `Calibrations` where that cannot change tokens): their scores
     count as a recent round each, so one unlucky first round does not hand the answer to plain
-    steps. Without it a draft's tree that found nothing in its first round had lost more than
+    steps. Memory is a long-run average (`LONG_RUN`), not the fast one a generation decides
+    by: the last rounds of an answer are the rounds auto was leaving a candidate on (where the
+    text stopped suiting it), the least like the next answer's; remembering them kept Medusa's
+    heads out of four Spec-Bench answers in a row after one answer's weak ending (one-model
+    auto 1.19x where the heads alone made 2.29x: docs/benchmarks.md, "Issue 30, session 10"). Without it a draft's tree that found nothing in its first round had lost more than
     the tries' budget, and plain steps took the other 95 rounds of a 96-token answer (0.77x
     plain, where the tree alone made 1.03x: Spec-Bench humanities 156, docs/benchmarks.md,
     "Issue 26, session 9").
@@ -212,7 +219,13 @@ class AutoProposer:
             self.tokens[i] = a * self.tokens[i] + (1 - a) * (len(path) + 1)
             self.seconds[i] = a * self.seconds[i] + (1 - a) * secs
             if self.memory is not None:
-                self.memory[self.proposers[i].name] = (self.tokens[i], self.seconds[i])
+                name = self.proposers[i].name
+                toks, long = self.memory.get(name, (len(path) + 1, secs))
+                b = LONG_RUN
+                self.memory[name] = (
+                    (1 - b) * toks + b * (len(path) + 1),
+                    (1 - b) * long + b * secs,
+                )
         if self.tried[i] >= self.explore and i != self._best:  # a re-check: did it win?
             won = self.score(i) > self.score(self._best)
             self.wait[i] = (
