@@ -178,3 +178,17 @@ def test_teacher_keeps_the_biases_of_quantized_layers(tmp_path):
     weights = dequantized(model)
     assert "model.layers.0.self_attn.q_proj.bias" in weights
     assert all(v.dtype == mx.float32 for v in weights.values())
+
+
+def test_a_size_limit_takes_the_most_bits_that_fit():
+    """`--max-mb` for drafts and heads alike: float16 where it fits, else the most bits whose
+    packed values and group scales fit, else a clear error."""
+    from ondevice.distill.export import fitting_bits
+
+    n, fixed = 1 << 20, 1000
+    assert fitting_bits(fixed, n, None, 64, "x") is None
+    assert fitting_bits(fixed, n, fixed + 2 * n, 64, "x") is None
+    assert fitting_bits(fixed, n, fixed + 2 * n - 1, 64, "x") == 8
+    assert fitting_bits(fixed, n, fixed + n // 2 + n // 16, 64, "x") == 4
+    with pytest.raises(OndeviceError, match="the heads.*--max-mb"):
+        fitting_bits(fixed, n, fixed + n // 8, 64, "the heads")

@@ -74,6 +74,36 @@ def test_heads_folder_round_trip(verifier, heads):
     assert doc["format"] == "ondevice-medusa-heads" and doc["num_heads"] == 3
 
 
+def test_heads_over_the_size_limit_are_stored_quantized_and_still_decode_losslessly(
+    verifier, tmp_path
+):
+    """`--max-mb` (30 MB: what Package.resources may ship) applies to heads as to a draft: heads
+    whose float16 matrices do not fit are stored with the most bits that do (4 sequential heads
+    of the 1.5B verifier: 37.7 MB in float16, about 19 MB in 8 bits), and load as float heads
+    close to the trained ones."""
+    model = load_model(verifier).model
+    full = write_heads(model, tmp_path / "f16", num_heads=4, noise=0.05, kind="hydra")
+    f16 = (full / WEIGHTS).stat().st_size
+    limit = (64 << 10) + f16 * 6 // 10  # float16 does not fit, 8 bits does
+    small = write_heads(model, tmp_path / "q", num_heads=4, noise=0.05, kind="hydra",
+                        max_bytes=limit)  # fmt: skip
+    doc = json.loads((small / META).read_text())
+    assert doc["bits"] == 8 and (small / WEIGHTS).stat().st_size < f16 * 6 // 10
+    ref, _ = load_heads(full, model)
+    got, info = load_heads(small, model)
+    for a, b in zip(ref.heads, got.heads):
+        err = np.abs(np.array(a.weight) - np.array(b.weight))
+        scale = np.abs(np.array(a.weight)).max()
+        assert 0 < err.max() < scale / 100  # quantized, by less than a percent of the range
+    gen = ondevice.load(verifier, heads=small)
+    for prompt in PROMPTS[:2]:
+        plain = gen.generate(prompt, max_tokens=16, speculative=False)
+        assert gen.generate(prompt, max_tokens=16, method="medusa").tokens == plain.tokens
+    with pytest.raises(ondevice.OndeviceError, match="--max-mb"):
+        write_heads(model, tmp_path / "none", num_heads=4, kind="hydra", max_bytes=f16 // 20)
+    assert not list(tmp_path.glob("none*"))  # nothing half-written
+
+
 def test_heads_of_another_verifier_are_refused_clearly(verifier, heads, tmp_path):
     other = tiny.write_model(tmp_path / "other", seed=7, layers=2, scale=1.5)
     with pytest.raises(ondevice.OndeviceError, match="another verifier") as e:

@@ -100,7 +100,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-mb",
         type=float,
         default=30.0,
-        help="quantize the layers as little as fits this size; 0 = no limit (default: 30)",
+        help="quantize the layers (--heads: the heads) as little as fits this size in MB; "
+        "0 = no limit (default: 30)",
     )
     p.add_argument("--work-dir", help="data and checkpoint folder (default: OUTPUT.work)")
     p.add_argument("--seed", type=int, default=0)
@@ -172,6 +173,7 @@ def run_heads(args: argparse.Namespace) -> int:
         chat_fraction=args.chat_fraction,
         gen_batch=args.gen_batch or 16,
         max_tokens=args.max_tokens,
+        max_mb=args.max_mb or None,
         **_common(args),
     )
     agree = " ".join(f"{a:.3f}" for a in summary["head_agreement"])

@@ -36,6 +36,23 @@ def _quantized_size(n_params: int, bits: int, group: int) -> int:
     return n_params * bits // 8 + n_params // group * 4  # packed values + fp16 scale and bias
 
 
+def fitting_bits(
+    fixed: int, n_params: int, max_bytes: int | None, group: int, what: str
+) -> int | None:
+    """The most bits per weight at which `n_params` quantizable weights (plus `fixed` bytes)
+    fit in `max_bytes`: None where float16 fits (or there is no limit); OndeviceError naming
+    `what` where even 2 bits do not."""
+    if max_bytes is None or fixed + n_params * 2 <= max_bytes:
+        return None
+    for bits in (8, 6, 5, 4, 3, 2):
+        if fixed + _quantized_size(n_params, bits, group) <= max_bytes:
+            return bits
+    raise OndeviceError(
+        f"{what} does not fit in {max_bytes / 1e6:.0f} MB even with 2-bit weights; raise --max-mb "
+        "or make it smaller."
+    )
+
+
 def export_draft(
     student: Model,
     tokenizer: Tokenizer,
@@ -75,16 +92,9 @@ def export_draft(
             if not k.startswith("model.layers.") or v.ndim == 1
         )
         n_layer = sum(v.size for k, v in params if k.startswith("model.layers.") and v.ndim == 2)
-        if fixed + n_layer * 2 > max_bytes:  # float16 does not fit: the most bits that do
-            for bits in (8, 6, 5, 4, 3, 2):
-                if fixed + _quantized_size(n_layer, bits, group) <= max_bytes:
-                    layer_bits = bits
-                    break
-            else:
-                raise OndeviceError(
-                    f"the draft does not fit in {max_bytes / 1e6:.0f} MB even with 2-bit layers; "
-                    "raise --max-mb or use fewer --layers."
-                )
+        layer_bits = fitting_bits(
+            fixed, n_layer, max_bytes, group, "the draft (use fewer --layers)"
+        )
     if layer_bits:
         nn.quantize(
             model,

@@ -53,7 +53,7 @@ from ondevice.distill.data import (
     read_texts,
     save_npz,
 )
-from ondevice.distill.export import replace_folder
+from ondevice.distill.export import fitting_bits, replace_folder
 from ondevice.distill.teacher import topk_logprobs
 from ondevice.distill.train import (
     CHECKPOINT,
@@ -72,6 +72,7 @@ from ondevice.models.transformer import Model, _head_rows
 from ondevice.proposers.medusa import (
     HEAD_KINDS,
     META,
+    QUANT_GROUP,
     WEIGHTS,
     Heads,
     HeadsInfo,
@@ -106,18 +107,37 @@ def local_documents() -> list[Path]:
     return sorted(files, key=lambda f: hashlib.sha256(str(f).encode()).hexdigest())
 
 
-def save_heads(heads: Heads, info: HeadsInfo, out: Path) -> None:
-    """Write a heads folder (float16 weights and heads.json) whole, replacing `out`."""
+def save_heads(heads: Heads, info: HeadsInfo, out: Path, max_bytes: int | None = None) -> None:
+    """Write a heads folder whole, replacing `out`: float16 weights, or, where they would not
+    fit in `max_bytes`, the heads' matrices quantized with the most bits that fit (MLX's
+    group-wise affine quantization, recorded in heads.json as `bits` and `group_size`;
+    `load_heads` restores float weights), and heads.json."""
     out = Path(out)
+    params = dict(tree_flatten(heads.parameters()))
+    matrices = sum(v.size for v in params.values() if v.ndim == 2)
+    fixed = sum(v.size * 2 for v in params.values() if v.ndim != 2) + (64 << 10)  # + heads.json
+    group = QUANT_GROUP if info.hidden_size % QUANT_GROUP == 0 else QUANT_GROUP // 2
+    bits = fitting_bits(fixed, matrices, max_bytes, group, "the heads (use fewer --num-heads)")
+    weights: dict[str, mx.array] = {}
+    for k, v in params.items():
+        if bits and v.ndim == 2:
+            w, scales, biases = mx.quantize(v, group_size=group, bits=bits)
+            name = k.removesuffix(".weight")
+            weights.update({k: w, f"{name}.scales": scales.astype(mx.float16),
+                            f"{name}.biases": biases.astype(mx.float16)})  # fmt: skip
+        else:
+            weights[k] = v.astype(mx.float16)
+    doc = {k: v for k, v in info.to_json().items() if k not in ("bits", "group_size")}
+    if bits:
+        doc.update(bits=bits, group_size=group)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         import shutil
 
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    weights = {k: v.astype(mx.float16) for k, v in tree_flatten(heads.parameters())}
     mx.save_safetensors(str(tmp / WEIGHTS), weights)
-    (tmp / META).write_text(json.dumps(info.to_json(), indent=1))
+    (tmp / META).write_text(json.dumps(doc, indent=1))
     replace_folder(tmp, out)
 
 
@@ -471,12 +491,15 @@ def distill_heads(
     seed: int = 0,
     eval_every: int = 100,
     checkpoint_every: int = 50,
+    max_mb: float | None = 30.0,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train Medusa heads for `verifier` into the folder `output`; returns the run's summary.
 
     chat_fraction: the share of `tokens` that are the verifier's own chat answers (conversations
-    of at most `max_tokens`, `gen_batch` written at once); the rest are documents."""
+    of at most `max_tokens`, `gen_batch` written at once); the rest are documents. max_mb: the
+    folder's size limit (None: none), met by quantizing the heads' matrices as little as fits
+    (`save_heads`; 30 MB is what `Package.resources` may ship)."""
     output, t0 = Path(output), time.time()
     if not 0.0 <= chat_fraction <= 1.0:
         raise OndeviceError(f"--chat-fraction must be between 0 and 1, not {chat_fraction}.")
@@ -536,7 +559,7 @@ def distill_heads(
         summary.update(step=step, train_time_s=round(seconds, 1))
         kept = {k: v for k, v in summary.items() if k != "losses"}
         info.extra = {**recipe, **kept, "data_time_s": round(data_time, 1)}
-        save_heads(heads, info, output)
+        save_heads(heads, info, output, round(max_mb * 1e6) if max_mb else None)
 
     step = _train_loop(heads, opt, out_rows, train_pos, held_pos, cfg, summary, checkpoint,
                        step=step, elapsed=elapsed, progress=progress)  # fmt: skip

@@ -9,8 +9,9 @@ round's bonus token) and head k token t+k+1, so one verification pass, which the
 anyway, gives the next round's guesses for K positions: drafting costs K small products.
 
 - Heads live in a folder (`heads.safetensors`: `heads.{k}.weight` (d, d), `heads.{k}.bias`
-  (d,), k from 0; `heads.json`: the format, the verifier's fingerprint, K, the subset, d and
-  how they were trained), written by `ondevice distill --heads medusa` (`distill/medusa.py`).
+  (d,), k from 0, the weights float16 or, with `bits` and `group_size` in heads.json, MLX's
+  group-wise quantization with `heads.{k}.scales` and `.biases`; `heads.json`: the format, the
+  verifier's fingerprint, K, the subset, d and how they were trained), written by `ondevice distill --heads medusa` (`distill/medusa.py`).
   They are given explicitly (`ondevice.load(..., heads=PATH)`, `--heads PATH`) or found in the
   cache beside the model's profiles (`heads_cache_path`).
 - `MedusaProposer` builds each round's tree from the heads' top choices, Medusa's cartesian
@@ -65,6 +66,7 @@ WEIGHTS = "heads.safetensors"
 META = "heads.json"
 WIDTH = 8  # choices of each head a tree may use
 MAX_NODES = 64  # candidates grown before the cost budget picks how many are verified
+QUANT_GROUP = 64  # weights per scale where a heads file stores its matrices quantized
 
 
 # -- the heads and their file --------------------------------------------------------------------
@@ -234,6 +236,14 @@ def read_heads(folder: Path) -> tuple[dict[str, mx.array], HeadsInfo]:
         ) from None
     try:
         arrays = mx.load(str(weights))
+        bits = info.extra.get("bits")
+        if bits:  # quantized matrices (`save_heads` under a size limit): float ones again
+            group = int(info.extra.get("group_size", QUANT_GROUP))
+            for name in [k.removesuffix(".scales") for k in arrays if k.endswith(".scales")]:
+                scales, biases = arrays.pop(f"{name}.scales"), arrays.pop(f"{name}.biases")
+                arrays[f"{name}.weight"] = mx.dequantize(
+                    arrays[f"{name}.weight"], scales, biases, group_size=group, bits=int(bits)
+                )
     except Exception as e:  # noqa: BLE001 - MLX raises plain exceptions for bad files
         raise OndeviceError(f"{weights}: unreadable ({e}); train the heads again.") from None
     return arrays, info

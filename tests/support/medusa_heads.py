@@ -20,6 +20,7 @@ def write_heads(
     noise: float = 0.0,
     seed: int = 0,
     kind: str = "medusa",
+    max_bytes: int | None = None,
 ) -> Path:
     """Heads for `model` in `folder` (default: the cache, where "medusa" looks without
     heads=...), of `kind` ("medusa" or "hydra"): Medusa's identity start (W = 0, b = 0), plus Gaussian `noise` on the weights.
@@ -38,5 +39,5 @@ def write_heads(
         {"verifier": "a tiny test model"}, kind,
     )  # fmt: skip
     out = folder or heads_cache_path(model)
-    save_heads(heads, info, out)
+    save_heads(heads, info, out, max_bytes)
     return out
