@@ -397,7 +397,7 @@ def test_auto_starts_an_answer_from_what_earlier_answers_learnt():
         AutoProposer([NoProposal(), _Unlucky("tree", 6, 3)], cost, memory=memory), cost, 96
     )
     assert first == pytest.approx(forgetful) and "tree" in memory  # nothing known yet
-    memory["tree"] = (4.0, 2.0)  # an earlier answer where the tree paid
+    memory["tree"] = (4.0, 2.0, 20)  # earlier answers where the tree paid
     second = _short_answer(
         AutoProposer([NoProposal(), _Unlucky("tree", 6, 3)], cost, memory=memory), cost, 96
     )
@@ -429,11 +429,47 @@ def test_auto_remembers_a_candidate_by_its_long_run_not_by_an_answers_last_round
     fading = _FadingOut("medusa", 40)
     _short_answer(AutoProposer([NoProposal(), fading], cost, memory=memory), cost, 200)
     assert fading.calls > 40  # the heads' weak ending was tried, then left
-    toks, secs = memory["medusa"]
-    assert toks / secs > 1.0  # still better than a plain step's 1 token a second
+    toks, secs, rounds = memory["medusa"]
+    assert toks / secs > 1.0 and rounds == fading.calls  # still better than a plain step's
     again = _Fixed("medusa", 6, 3)
     _short_answer(AutoProposer([NoProposal(), again], cost, memory=memory), cost, 8)
     assert again.calls >= 2  # the next answer starts on the heads
+
+
+def test_auto_does_not_let_a_candidates_first_rounds_outweigh_its_later_ones():
+    """The heads' two tries on the first answer ever found nothing (a writing prompt), and
+    their next answer went well: what later answers start from is the mean of all those
+    rounds, not two rounds weighted as a long history (which left the heads out of the next
+    six Spec-Bench answers: one-model auto 1.17x where they alone made 1.34x)."""
+    cost = CostProfile([1, 8], [1.0, 2.2])
+    memory: dict = {}
+    unlucky = _Fixed("medusa", 6, 0)
+    _short_answer(AutoProposer([NoProposal(), unlucky], cost, memory=memory), cost, 48)
+    assert memory["medusa"][2] == unlucky.calls <= 3
+    good = _Fixed("medusa", 6, 3)
+    _short_answer(AutoProposer([good], cost, memory=memory), cost, 96)
+    toks, secs, rounds = memory["medusa"]
+    assert rounds == unlucky.calls + good.calls and toks / secs > 1.5  # 4 tokens per 2.2 s
+
+
+def test_auto_re_checks_the_most_promising_candidate_first():
+    """Two losers as earlier answers left them (both due for a re-check at once), one whose
+    rounds cost little more than a plain step (heads with a small tree) and one that costs
+    twice as much (lookahead): the re-check goes to the cheap one, so the tries' budget is
+    spent where a win is likeliest (the candidates' order re-checked lookahead first); the
+    text has changed and it wins, so it is kept."""
+    cost = CostProfile([1, 3, 9], [1.0, 1.1, 2.0])
+    dear, cheap = _Fixed("lookahead", 8, 0), _Fixed("medusa", 2, 2)
+    memory = {"lookahead": (1.0, 2.0, 8), "medusa": (1.0, 1.1, 8)}  # both lost before
+    auto = AutoProposer([NoProposal(), dear, cheap], cost, period=10, memory=memory,
+                        explore_share=np.inf)  # fmt: skip
+    auto.reset([1])
+    picks = []
+    for _ in range(16):
+        _drive(auto, 1)
+        picks.append(auto.last_name)
+    assert picks[:10] == ["plain"] * 10 and dear.calls == 0
+    assert picks[10:] == ["medusa"] * 6  # 3 tokens for 1.1 s
 
 
 def test_auto_knows_plain_steps_without_trying_them():

@@ -16,8 +16,9 @@ from ondevice.runtime.pass_costs import CostProfile
 
 EXPLORE_SHARE = 0.02  # of a generation's time at the best known rate that tries may lose
 TIE = 1e-9  # relative: scores this close count as equal (rounding in the averages)
-# the weight of a round in what later answers start from (`memory`): about the last 30 rounds
-# a candidate made, most of an answer or two, not the last few rounds of the last answer
+# the least weight of a round in what later answers start from (`memory`): the mean of a
+# candidate's first 32 rounds, then about its last 32, most of an answer or two, not the last
+# few rounds of the last answer
 LONG_RUN = 1 / 32
 
 
@@ -54,11 +55,18 @@ class AutoProposer:
     A generation starts from what the pair's earlier generations learnt of each candidate
     (`memory`, kept in the pair's `Calibrations` where that cannot change tokens): their scores
     count as a recent round each, so one unlucky first round does not hand the answer to plain
-    steps. Memory is a long-run average (`LONG_RUN`), not the fast one a generation decides
-    by: the last rounds of an answer are the rounds auto was leaving a candidate on (where the
-    text stopped suiting it), the least like the next answer's; remembering them kept Medusa's
-    heads out of four Spec-Bench answers in a row after one answer's weak ending (one-model
-    auto 1.19x where the heads alone made 2.29x: docs/benchmarks.md, "Issue 30, session 10"). Without it a draft's tree that found nothing in its first round had lost more than
+    steps. Memory is a long-run average over the candidate's rounds (their mean, then an
+    exponential one, `LONG_RUN`), not the fast one a generation decides by: the last rounds of
+    an answer are the rounds auto was leaving a candidate on (where the text stopped suiting
+    it), the least like the next answer's; remembering them kept Medusa's heads out of four
+    Spec-Bench answers in a row after one answer's weak ending (one-model auto 1.19x where the
+    heads alone made 2.29x: docs/benchmarks.md, "Issue 30, session 10"). A memory of fewer
+    rounds than `explore` leaves the rest of the tries to be made.
+
+    Re-checks go to the most promising due candidate first (the least expected loss, see
+    `_expected_loss`; then the least recently tried): the tries' budget is spent where a win is
+    likeliest, not in the candidates' order (which re-checked prompt lookup and lookahead, and
+    left the heads, whose tries cost a sixth of a plain step, waiting). Without it a draft's tree that found nothing in its first round had lost more than
     the tries' budget, and plain steps took the other 95 rounds of a 96-token answer (0.77x
     plain, where the tree alone made 1.03x: Spec-Bench humanities 156, docs/benchmarks.md,
     "Issue 26, session 9").
@@ -85,7 +93,7 @@ class AutoProposer:
         decay: float = 0.8,
         explore_share: float = EXPLORE_SHARE,
         left_out: dict[str, str] | None = None,
-        memory: dict[str, tuple[float, float]] | None = None,
+        memory: dict[str, tuple[float, float, int]] | None = None,
     ):
         if not proposers:
             raise ValueError("auto needs at least one proposer")
@@ -126,8 +134,9 @@ class AutoProposer:
         for i, p in enumerate(self.proposers):
             p.reset(prompt)
             if self.memory and p.name in self.memory and not self.known[i]:
-                self.tokens[i], self.seconds[i] = self.memory[p.name]
-                self.tried[i], self.last_tried[i] = self.explore, 0  # as if tried just now
+                self.tokens[i], self.seconds[i], rounds = self.memory[p.name]
+                # as if tried just now, as often as the memory holds rounds
+                self.tried[i], self.last_tried[i] = min(self.explore, rounds), 0
 
     def score(self, i: int) -> float:
         return self.tokens[i] / self.seconds[i] if self.seconds[i] > 0 else float("inf")
@@ -166,7 +175,7 @@ class AutoProposer:
             if not due:
                 return best
             self._last_check = self.round
-            i = min(due, key=lambda i: self.last_tried[i])
+            i = min(due, key=lambda i: (self._expected_loss(i, rate), self.last_tried[i]))
         if self._expected_loss(i, rate) > budget:
             return best  # the tries have spent their share
         self._ref = rate
@@ -220,11 +229,12 @@ class AutoProposer:
             self.seconds[i] = a * self.seconds[i] + (1 - a) * secs
             if self.memory is not None:
                 name = self.proposers[i].name
-                toks, long = self.memory.get(name, (len(path) + 1, secs))
-                b = LONG_RUN
+                toks, long, rounds = self.memory.get(name, (0.0, 0.0, 0))
+                b = max(1 / (rounds + 1), LONG_RUN)
                 self.memory[name] = (
                     (1 - b) * toks + b * (len(path) + 1),
                     (1 - b) * long + b * secs,
+                    rounds + 1,
                 )
         if self.tried[i] >= self.explore and i != self._best:  # a re-check: did it win?
             won = self.score(i) > self.score(self._best)

@@ -71,11 +71,12 @@ class Calibrations:
     `CALIBRATION_MEMORY` rounds' evidence per depth, the ratio unchanged.
 
     `rates`: what `auto` learnt of each candidate, by name: its tokens and seconds per round
-    (the averages it chooses by), where the next generation starts from."""
+    over its rounds so far (long-run averages) and how many rounds, where the next generation
+    starts from."""
 
     def __init__(self) -> None:
         self._arrays: dict[Hashable, tuple[np.ndarray, np.ndarray]] = {}
-        self.rates: dict[str, tuple[float, float]] = {}
+        self.rates: dict[str, tuple[float, float, int]] = {}
         self._by_sampling: dict[tuple, Calibrations] = {}
 
     def get(self, name: Hashable, size: int) -> tuple[np.ndarray, np.ndarray]:
