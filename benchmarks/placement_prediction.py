@@ -98,10 +98,16 @@ MEDUSA_HEADS = {
 # Hydra (sequential) heads: per head, top-1 agreement along the verifier's own path (head k
 # reads the token before its guess), as `ondevice distill --heads hydra` measures it held out
 HYDRA_HEADS = {
-    "this project's Hydra heads (shipped: 3 of 4, 20 minutes, 71k positions)": [
+    "this project's Hydra heads (session 10: 3 of 4, 20 minutes, 71k positions)": [
         [0.385],
         [0.276],
         [0.257],
+    ],
+    "this project's Hydra heads (shipped: 4, 45 minutes, 144k positions)": [
+        [0.402],
+        [0.296],
+        [0.268],
+        [0.261],
     ],
 }
 MEDUSA_VOCAB = 32768  # the heads' output rows (`ondevice distill --heads medusa` default)
@@ -277,8 +283,17 @@ def report(mac: Mac) -> list[str]:
     heads = [("medusa", n, a) for n, a in MEDUSA_HEADS.items()]
     heads += [("hydra", n, a) for n, a in HYDRA_HEADS.items()]
     for kind, name, accuracy in heads:
-        heads_s = medusa_heads_seconds(mac, verifier, len(accuracy), kind=kind)
-        n, per_pass, rate = medusa_prediction(verify, heads_s, medusa_values(accuracy))
+        # sequential heads grow the tree level by level and stop where a level does not pay
+        # (`DraftTreeProposer._pays_to_grow`): the best depth, paying only its levels
+        depths = range(1, len(accuracy) + 1) if kind == "hydra" else [len(accuracy)]
+        heads_s, n, per_pass, rate = max(
+            (
+                (s, *medusa_prediction(verify, s, medusa_values(accuracy[:d])))
+                for d in depths
+                for s in [medusa_heads_seconds(mac, verifier, d, kind=kind)]
+            ),
+            key=lambda r: r[-1],
+        )
         out.append(
             f"| {name} | {heads_s * 1000:.2f} ms | {n} | {per_pass:.2f} | "
             f"{rate:.0f} tok/s = {rate / plain:.2f}x |"
