@@ -61,15 +61,16 @@ class AutoProposer:
     it), the least like the next answer's; remembering them kept Medusa's heads out of four
     Spec-Bench answers in a row after one answer's weak ending (one-model auto 1.19x where the
     heads alone made 2.29x: docs/benchmarks.md, "Issue 30, session 10"). A memory of fewer
-    rounds than `explore` leaves the rest of the tries to be made.
+    rounds than `explore` leaves the rest of the tries to be made. Without memory a draft's
+    tree that found nothing in its first round had lost more than the tries' budget, and plain
+    steps took the other 95 rounds of a 96-token answer (0.77x plain, where the tree alone made
+    1.03x: Spec-Bench humanities 156, docs/benchmarks.md, "Issue 26, session 9").
 
     Re-checks go to the most promising due candidate first (the least expected loss, see
     `_expected_loss`; then the least recently tried): the tries' budget is spent where a win is
     likeliest, not in the candidates' order (which re-checked prompt lookup and lookahead, and
-    left the heads, whose tries cost a sixth of a plain step, waiting). Without it a draft's tree that found nothing in its first round had lost more than
-    the tries' budget, and plain steps took the other 95 rounds of a 96-token answer (0.77x
-    plain, where the tree alone made 1.03x: Spec-Bench humanities 156, docs/benchmarks.md,
-    "Issue 26, session 9").
+    left the heads, whose tries cost a sixth of a plain step, waiting: docs/benchmarks.md,
+    "Issue 30, session 11").
 
     Seconds are estimated from the cost profiles (the verifier's pass over the tree's size plus
     the draft work the proposer reports), not from the clock, so the choice depends only on
@@ -229,11 +230,11 @@ class AutoProposer:
             self.seconds[i] = a * self.seconds[i] + (1 - a) * secs
             if self.memory is not None:
                 name = self.proposers[i].name
-                toks, long, rounds = self.memory.get(name, (0.0, 0.0, 0))
+                toks, took, rounds = self.memory.get(name, (0.0, 0.0, 0))
                 b = max(1 / (rounds + 1), LONG_RUN)
                 self.memory[name] = (
                     (1 - b) * toks + b * (len(path) + 1),
-                    (1 - b) * long + b * secs,
+                    (1 - b) * took + b * secs,
                     rounds + 1,
                 )
         if self.tried[i] >= self.explore and i != self._best:  # a re-check: did it win?
