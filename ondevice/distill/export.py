@@ -36,6 +36,11 @@ def _quantized_size(n_params: int, bits: int, group: int) -> int:
     return n_params * bits // 8 + n_params // group * 4  # packed values + fp16 scale and bias
 
 
+def quant_group(width: int) -> int:
+    """Weights per scale when quantizing rows `width` long: 64, or 32 where 64 does not divide."""
+    return 64 if width % 64 == 0 else 32
+
+
 def fitting_bits(
     fixed: int, n_params: int, max_bytes: int | None, group: int, what: str
 ) -> int | None:
@@ -69,7 +74,7 @@ def export_draft(
     model.load_weights(list(tree_flatten(student.parameters())))
     model.unfreeze()
     cfg = model.config
-    group = 64 if cfg.hidden_size % 64 == 0 else 32
+    group = quant_group(cfg.hidden_size)
     if embed_bits:
         nn.quantize(
             model,

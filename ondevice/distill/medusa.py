@@ -53,7 +53,7 @@ from ondevice.distill.data import (
     read_texts,
     save_npz,
 )
-from ondevice.distill.export import fitting_bits, replace_folder
+from ondevice.distill.export import fitting_bits, quant_group, replace_folder
 from ondevice.distill.teacher import topk_logprobs
 from ondevice.distill.train import (
     CHECKPOINT,
@@ -69,10 +69,10 @@ from ondevice.distill.train import (
 from ondevice.errors import OndeviceError
 from ondevice.models import LoadedModel
 from ondevice.models.transformer import Model, _head_rows
+from ondevice.models.weights import quantized_entries
 from ondevice.proposers.medusa import (
     HEAD_KINDS,
     META,
-    QUANT_GROUP,
     WEIGHTS,
     Heads,
     HeadsInfo,
@@ -116,15 +116,12 @@ def save_heads(heads: Heads, info: HeadsInfo, out: Path, max_bytes: int | None =
     params = dict(tree_flatten(heads.parameters()))
     matrices = sum(v.size for v in params.values() if v.ndim == 2)
     fixed = sum(v.size * 2 for v in params.values() if v.ndim != 2) + (64 << 10)  # + heads.json
-    group = QUANT_GROUP if info.hidden_size % QUANT_GROUP == 0 else QUANT_GROUP // 2
+    group = quant_group(info.hidden_size)
     bits = fitting_bits(fixed, matrices, max_bytes, group, "the heads (use fewer --num-heads)")
     weights: dict[str, mx.array] = {}
     for k, v in params.items():
         if bits and v.ndim == 2:
-            w, scales, biases = mx.quantize(v, group_size=group, bits=bits)
-            name = k.removesuffix(".weight")
-            weights.update({k: w, f"{name}.scales": scales.astype(mx.float16),
-                            f"{name}.biases": biases.astype(mx.float16)})  # fmt: skip
+            weights.update(quantized_entries(k.removesuffix(".weight"), v, group, bits))
         else:
             weights[k] = v.astype(mx.float16)
     doc = {k: v for k, v in info.to_json().items() if k not in ("bits", "group_size")}

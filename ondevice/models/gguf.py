@@ -362,7 +362,12 @@ def _load_dequantized(
 
     from gguf.quants import dequantize as gguf_dequantize
 
-    from ondevice.models.weights import DTYPES, EXPAND_BYTES, is_product_weight
+    from ondevice.models.weights import (
+        DTYPES,
+        EXPAND_BYTES,
+        is_product_weight,
+        quantized_entries,
+    )
 
     try:
         data = np.memmap(path, dtype=np.uint8, mode="r")
@@ -409,10 +414,7 @@ def _load_dequantized(
                 w = _unpermute(w, _heads(cfg, which))
             bits = REQUANT_BITS.get(t.type)
             if requantize and bits is not None and w.ndim == 2:
-                q, scales, biases = mx.quantize(w, group_size=GROUP_SIZE, bits=bits)
-                weights[f"{hf}.weight"] = q
-                weights[f"{hf}.scales"] = scales.astype(mx.float16)
-                weights[f"{hf}.biases"] = biases.astype(mx.float16)
+                weights.update(quantized_entries(hf, w, GROUP_SIZE, bits))
                 quant[hf] = {"group_size": GROUP_SIZE, "bits": bits}
             elif product_dtype and is_product_weight(f"{hf}.{kind}"):
                 weights[f"{hf}.{kind}"] = w.astype(DTYPES[product_dtype])

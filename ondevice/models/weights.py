@@ -76,6 +76,17 @@ def _quant_params(cfg: ModelConfig, path: str) -> dict[str, int] | None:
     return None
 
 
+def quantized_entries(base: str, w: mx.array, group_size: int, bits: int) -> dict[str, mx.array]:
+    """`w` in MLX's group-wise affine format as a weights file stores it: `{base}.weight`
+    (packed), `{base}.scales` and `{base}.biases` (float16), what `expand_quantized` reads."""
+    q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    return {
+        f"{base}.weight": q,
+        f"{base}.scales": scales.astype(mx.float16),
+        f"{base}.biases": biases.astype(mx.float16),
+    }
+
+
 def expand_quantized(
     weights: dict[str, mx.array],
     quant: dict[str, Any] | None,

@@ -42,6 +42,7 @@ import numpy as np
 
 from ondevice.errors import OndeviceError
 from ondevice.models.transformer import Model, _head_rows, norm_weights
+from ondevice.models.weights import expand_quantized
 from ondevice.proposers.base import (
     BudgetFn,
     Unavailable,
@@ -66,7 +67,6 @@ WEIGHTS = "heads.safetensors"
 META = "heads.json"
 WIDTH = 8  # choices of each head a tree may use
 MAX_NODES = 64  # candidates grown before the cost budget picks how many are verified
-QUANT_GROUP = 64  # weights per scale where a heads file stores its matrices quantized
 
 
 # -- the heads and their file --------------------------------------------------------------------
@@ -236,14 +236,9 @@ def read_heads(folder: Path) -> tuple[dict[str, mx.array], HeadsInfo]:
         ) from None
     try:
         arrays = mx.load(str(weights))
-        bits = info.extra.get("bits")
-        if bits:  # quantized matrices (`save_heads` under a size limit): float ones again
-            group = int(info.extra.get("group_size", QUANT_GROUP))
-            for name in [k.removesuffix(".scales") for k in arrays if k.endswith(".scales")]:
-                scales, biases = arrays.pop(f"{name}.scales"), arrays.pop(f"{name}.biases")
-                arrays[f"{name}.weight"] = mx.dequantize(
-                    arrays[f"{name}.weight"], scales, biases, group_size=group, bits=int(bits)
-                )
+        if info.extra.get("bits"):  # quantized (`save_heads` under a size limit): float again
+            quant = {"group_size": int(info.extra["group_size"]), "bits": int(info.extra["bits"])}
+            arrays = expand_quantized(arrays, quant)
     except Exception as e:  # noqa: BLE001 - MLX raises plain exceptions for bad files
         raise OndeviceError(f"{weights}: unreadable ({e}); train the heads again.") from None
     return arrays, info
