@@ -20,7 +20,7 @@ from ondevice.models import load_model
 from ondevice.proposers import layer_skip
 from ondevice.proposers.resources import Speculation
 from ondevice.rules.sampling import SamplingParams
-from ondevice.runtime import pass_costs
+from ondevice.runtime import kernel, pass_costs
 from ondevice.runtime.engines import MLXEngine
 from ondevice.runtime.pass_costs import SIZES, CostProfile, device_name, engine_key, profile_path
 
@@ -134,6 +134,94 @@ def test_the_search_is_cached_and_reused(model, monkeypatch):
     layer_skip._MEMORY.clear()
     with pytest.raises(AssertionError, match="searched again"):
         layer_skip.load_skip_set(model, _prompts()[0], verify)
+
+
+needs_kernel = pytest.mark.skipif(
+    not kernel.available(), reason=f"no CPU kernel here: {kernel._unavailable or 'not on the CPU'}"
+)
+
+
+def _served(tmp_path, arch, seed=3):
+    path = tiny.write_model(
+        tmp_path / arch, seed=seed, layers=LAYERS, arch=arch, tie=arch == "qwen2"
+    )
+    m = load_model(path, dequantize=True).model
+    kernel.serve(m, "f32")  # every CPU the kernel loads on has float32 products
+    return m
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ARCHS)
+def test_on_the_cpu_kernel_the_draft_reads_int8_copies_of_the_kept_layers(tmp_path, arch):
+    m = _served(tmp_path, arch)
+    keep = [0, 2, 3, LAYERS - 1]
+    before = {k: np.array(v) for k, v in tree_flatten(m.parameters())}
+    reading = layer_skip.int8_reading(m, keep)
+    assert reading is not None and sorted(reading.layers) == keep
+    view = layer_skip.LayerSkipView(m, keep, reading)
+    for j, i in enumerate(keep):
+        mine, theirs = view.layers[j], m.layers[i]
+        assert mine is not theirs and mine.mlp.down_proj._dtype == kernel._S8
+        assert theirs.mlp.down_proj._dtype != kernel._S8  # the verifier's own stay as served
+        assert mine.input_layernorm is theirs.input_layernorm  # the rest is shared
+        assert mine.self_attn.rope is theirs.self_attn.rope
+    assert view.model.embed_tokens is m.model.embed_tokens and view.head is reading.head
+    after = dict(tree_flatten(m.parameters()))
+    assert before.keys() == after.keys()
+    assert all(np.array_equal(before[k], np.array(after[k])) for k in before)
+    # the view is the verifier without the skipped layers, its products rounded to int8
+    toks = mx.array([_prompts()[1]])
+    h = m.model.embed_tokens(toks)
+    for i in keep:
+        h = m.layers[i](h, "causal", None, None)
+    want = np.array(mx.array(m.head.as_linear(m.model.norm(h)) if m.config.tie_word_embeddings
+                             else m.lm_head(m.model.norm(h))))  # fmt: skip
+    got = np.array(view(toks))
+    assert got.shape == want.shape and not np.array_equal(got, want)
+    np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max())
+    # and self-speculation through it gives the verifier's greedy tokens
+    _profiled(m)
+    layer_skip._MEMORY.clear()
+    accepted = 0
+    for prompt in _prompts():
+        dec = make_decoder(MLXEngine(m), None, SamplingParams(), Speculation(method="self"))
+        assert [t for r in dec.run(prompt, 24) for t in r.tokens] == _plain_greedy(m, prompt, 24)
+        accepted += dec.stats.accepted
+    assert accepted > 0
+    found = layer_skip.cached_skip_set(m)
+    assert found is not None and found.reading == "int8" and "int8 copies" in found.describe()
+    assert 0 < found.draft_fraction < 1
+
+
+@needs_kernel
+def test_a_self_draft_scoring_fewer_ids_changes_no_token(tmp_path, monkeypatch):
+    m = _served(tmp_path, "qwen2", seed=7)
+    monkeypatch.setattr(kernel, "DRAFT_VOCAB", 40)  # the tiny vocabulary's first 40 ids only
+    reading = layer_skip.int8_reading(m, range(LAYERS))
+    view = layer_skip.LayerSkipView(m, range(LAYERS), reading)
+    assert view.config.draft_vocab_size == 40 and reading.head.out_features == 40
+    logits = np.array(view(mx.array([_prompts()[0]])))
+    assert np.isneginf(logits[..., 40:]).all() or logits.shape[-1] == 40
+    text = layer_skip.search_text(m, _prompts()[2])
+    found = layer_skip.search_skip_set(m, text, None, reading, fraction=lambda skip: 0.1)
+    assert found.reading == "int8" and found.draft_fraction == 0.1
+    later = [t for t in _plain_greedy(m, _prompts()[1], 64) if t >= 40]
+    assert later  # the verifier does say ids the draft cannot
+    for prompt in _prompts():
+        spec = Speculation(method="self", num_draft_tokens=4, profile=False)
+        dec = make_decoder(MLXEngine(m), None, SamplingParams(), spec)
+        dec.proposer.skip_set = found  # type: ignore[attr-defined]
+        assert [t for r in dec.run(prompt, 32) for t in r.tokens] == _plain_greedy(m, prompt, 32)
+        assert dec.stats.drafted > 0
+
+
+@needs_kernel
+def test_the_int8_drafts_cost_is_measured_and_falls_with_the_layers_skipped(tmp_path):
+    m = _served(tmp_path, "llama")
+    reading = layer_skip.int8_reading(m, range(LAYERS))
+    fraction = layer_skip.measured_fraction(m, reading)
+    none, most = fraction([]), fraction(list(range(1, LAYERS - 1)))
+    assert 0 < most <= none < 5  # a share of a verifier pass, not seconds
 
 
 def test_a_verifier_too_shallow_is_refused_clearly(tmp_path):

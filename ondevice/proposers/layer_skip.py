@@ -4,16 +4,21 @@ loaded.
 
 - `LayerSkipView`: a `Model` made of a subset of another model's layers. It holds the very
   same modules (the same weight arrays: nothing is copied) and has its own KV cache, over the
-  layers it keeps.
+  layers it keeps. Where the CPU kernel serves the verifier (bf16 weights), the view reads
+  int8 copies of the kept layers and of the head's first 65,536 rows instead (`int8_reading`):
+  a pass on the CPU is bound by the bytes it reads, and sharing the bf16 weights left a draft
+  step too dear for the agreement skipping leaves (predicted 0.85x plain); the copies cost
+  memory (about one byte per kept weight), the price of a draft with no weights of its own.
 - `search_skip_set`: which layers to skip, found by measurement. Over one text (the first
   prompt the method sees and the verifier's own greedy continuation of it), the draft's greedy
   token at each of its last positions is compared with the verifier's (teacher-forced
   agreement). Each middle layer is dropped alone, then layers are dropped cumulatively,
   least harmful first, until agreement falls below `MIN_AGREEMENT`; each set is scored by the
   tokens per second a draft chain of that agreement would give over plain decoding, with the
-  draft's cost the kept share of the verifier's weights and the verifier's measured pass
-  costs (`runtime/pass_costs.py`). Deterministic: the same weights, text and cost profile give
-  the same set. The result is cached as JSON beside the pass-cost profiles
+  draft's cost the kept share of the verifier's weights (int8 copies: measured,
+  `measured_fraction`) and the verifier's measured pass costs (`runtime/pass_costs.py`).
+  Deterministic where the costs are counted: the same weights, text and cost profile give the
+  same set. The result is cached as JSON beside the pass-cost profiles
   (`cache_dir()/profiles/skip-*.json`), keyed by the weights and the device, so the search
   runs once per model; `ondevice doctor` lists what is cached (`pass_costs.cached_skip_sets`).
 - `SelfDraftProposer`: on its first `reset`, finds (or reads) the skip set, then drafts the
@@ -26,8 +31,8 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,6 +52,7 @@ from ondevice.runtime.pass_costs import (
     SkipSet,
     device_name,
     engine_key,
+    measure_together,
     profile_path,
     save_profile,
 )
@@ -67,24 +73,57 @@ MIN_AGREEMENT = 0.3
 class _Layers(nn.Module):
     """A backbone over a subset of another backbone's layers (the same modules)."""
 
-    def __init__(self, backbone: nn.Module, keep: Sequence[int]):
+    def __init__(self, backbone: nn.Module, keep: Sequence[int], layers: dict[int, nn.Module]):
         super().__init__()
         self.embed_tokens = backbone.embed_tokens
-        self.layers = [backbone.layers[i] for i in keep]
+        self.layers = [layers.get(i, backbone.layers[i]) for i in keep]
         self.norm = backbone.norm
 
 
 class LayerSkipView(Model):
     """`model` with only the layers in `keep` (in order): the same modules and weight arrays,
-    its own cache over the kept layers (`make_cache`)."""
+    its own cache over the kept layers (`make_cache`). `reading`: other modules for some layers
+    and the head (`int8_reading`: int8 copies that read the same weights in half the bytes);
+    the embedding and everything else stay the model's own."""
 
-    def __init__(self, model: Model, keep: Sequence[int]):
+    def __init__(self, model: Model, keep: Sequence[int], reading: Reading | None = None):
         nn.Module.__init__(self)  # not Model.__init__: that would allocate new weights
         self.keep = [int(i) for i in keep]
         self.config = replace(model.config, num_hidden_layers=len(self.keep))
-        self.model = _Layers(model.model, self.keep)
-        if not model.config.tie_word_embeddings:
+        self.model = _Layers(model.model, self.keep, reading.layers if reading else {})
+        if reading is not None:  # its own head: untied from the embedding it still looks up
+            rows = reading.head.out_features  # type: ignore[union-attr]
+            self.config.tie_word_embeddings = False
+            self.config.draft_vocab_size = rows if rows < model.config.vocab_size else None
+            self.lm_head = reading.head
+        elif not model.config.tie_word_embeddings:
             self.lm_head = model.lm_head
+
+
+@dataclass
+class Reading:
+    """Other modules for a model's layers (by index) and its head, read by a `LayerSkipView`."""
+
+    layers: dict[int, nn.Module]
+    head: nn.Module
+
+
+def int8_reading(model: Model, layers: Sequence[int]) -> Reading | None:
+    """int8 copies of `layers` and of the head's first `kernel.DRAFT_VOCAB` rows, where the CPU
+    kernel serves the model in bf16 or float32 (`kernel.int8_copy`); None elsewhere (MLX on
+    Metal reads the shared weights). On the CPU a draft pass is bound by the bytes it reads:
+    a self-draft sharing the verifier's bf16 weights costs its kept share of a pass, too much
+    for the agreement left after skipping layers (predicted 0.85x plain: docs/benchmarks.md,
+    "Issue 30, session 12"); in int8 it costs about half."""
+    from ondevice.runtime import kernel
+
+    head = kernel.int8_copy(model.head, kernel.DRAFT_VOCAB)
+    if head is None:
+        return None
+    copies = {i: kernel.int8_copy(model.layers[i]) for i in layers}
+    if any(c is None for c in copies.values()):
+        return None
+    return Reading(copies, head)  # type: ignore[arg-type]
 
 
 # -- the search -----------------------------------------------------------------------------------
@@ -139,23 +178,52 @@ def search_text(model: Model, prompt: Sequence[int]) -> list[int]:
     return text
 
 
+def measured_fraction(model: Model, reading: Reading) -> Callable[[Sequence[int]], float]:
+    """A draft pass's cost through `reading` as a share of a verifier pass, by the layers it
+    skips: one-token steps of the reading with every layer and with every other layer, timed
+    together with the verifier's one-token pass (`pass_costs.measure_together`: a slow spell
+    moves all three alike), and a line through the two (every layer costs the same). Measured,
+    not counted in bytes: an int8 step's rounding and glue are a larger share of it than of a
+    bf16 pass."""
+    n = len(model.layers)
+    half = list(range(0, n, 2))
+    views = [LayerSkipView(model, keep, reading) for keep in (range(n), half)]
+    engines = [MLXEngine(model), *(MLXEngine(v) for v in views)]
+    verify, full, part = (p.seconds[0] for p in measure_together(engines, (1,)))
+    per_layer = max(full - part, 0.0) / (n - len(half))
+    fixed = max(full - n * per_layer, 0.0)
+    return lambda skip: (fixed + (n - len(skip)) * per_layer) / verify
+
+
 def search_skip_set(
-    model: Model, text: Sequence[int], verify: CostProfile | None = None
+    model: Model,
+    text: Sequence[int],
+    verify: CostProfile | None = None,
+    reading: Reading | None = None,
+    fraction: Callable[[Sequence[int]], float] | None = None,
 ) -> SkipSet:
     """Which layers to skip (see the module's docstring). Candidates are the middle layers
     (the first and the last are always kept; with two layers, the second is the candidate); at
-    least one layer is skipped."""
+    least one layer is skipped. reading: the draft reads every layer and the head through it
+    (`int8_reading`); fraction: a draft pass's share of a verifier pass by the layers skipped
+    (default: the kept share of the weights read, or `measured_fraction` with a reading)."""
     n = len(model.layers)
     if n < 2:
         raise ValueError("self-speculation needs a verifier with at least two layers")
+    if fraction is None:
+        fraction = (
+            measured_fraction(model, reading)
+            if reading is not None
+            else lambda skip: draft_fraction(model, skip)
+        )
     candidates = list(range(1, n - 1)) if n > 2 else [1]
     rows = min(SCORED, len(text) - min(4, len(text) - 1))  # not the first few: too little context
     ref = _greedy_rows(model, text, rows)
 
     def measure(skip: list[int]) -> tuple[float, float]:
         keep = [i for i in range(n) if i not in set(skip)]
-        agree = float(np.mean(_greedy_rows(LayerSkipView(model, keep), text, rows) == ref))
-        return agree, predicted_speedup(agree, draft_fraction(model, skip), verify)
+        agree = float(np.mean(_greedy_rows(LayerSkipView(model, keep, reading), text, rows) == ref))
+        return agree, predicted_speedup(agree, fraction(skip), verify)
 
     tried: list[list] = []
     alone = {}
@@ -177,8 +245,9 @@ def search_skip_set(
     assert best is not None
     cfg = model.config
     return SkipSet(
-        best[0], n, best[1], draft_fraction(model, best[0]), best[2], len(ref), tried,
+        best[0], n, best[1], fraction(best[0]), best[2], len(ref), tried,
         verify is not None, f"{cfg.model_type} {cfg.hidden_size}x{n}",
+        "int8" if reading is not None else "shared",
     )  # fmt: skip
 
 
@@ -221,11 +290,17 @@ def cached_skip_set(model: Model, *, cache: bool = True) -> SkipSet | None:
 
 
 def load_skip_set(
-    model: Model, prompt: Sequence[int], verify: CostProfile | None, *, cache: bool = True
+    model: Model,
+    prompt: Sequence[int],
+    verify: CostProfile | None,
+    *,
+    cache: bool = True,
+    reading: Reading | None = None,
 ) -> SkipSet:
     """The cached skip set of `model` on this device, or a search's over `prompt` (printing one
-    line: it takes a while on a large model) saved for next time. Without `cache` (unprofiled
-    costs) nothing is read from or written to disk; within a process the result is reused."""
+    line: it takes a while on a large model) saved for next time, the draft reading its layers
+    through `reading` if given (`search_skip_set`). Without `cache` (unprofiled costs) nothing
+    is read from or written to disk; within a process the result is reused."""
     found = cached_skip_set(model, cache=cache)
     if found is not None:
         return found
@@ -237,7 +312,7 @@ def load_skip_set(
             file=sys.stderr,
             flush=True,
         )
-    found = search_skip_set(model, search_text(model, prompt), verify)
+    found = search_skip_set(model, search_text(model, prompt), verify, reading)
     if path is not None:
         save_profile(path, found.to_json())
     _MEMORY[(weights_fingerprint(model), cache)] = found
@@ -278,9 +353,22 @@ class SelfDraftProposer:
         self.draft: DraftTreeProposer | None = None
 
     def _build(self, prompt: Sequence[int]) -> DraftTreeProposer:
+        n, reading = len(self.model.layers), None
         if self.skip_set is None:
-            self.skip_set = load_skip_set(self.model, prompt, self.verify, cache=self.cache)
-        view = LayerSkipView(self.model, self.skip_set.keep)
+            self.skip_set = cached_skip_set(self.model, cache=self.cache)
+        if self.skip_set is None:  # the search reads every layer as the draft will
+            reading = int8_reading(self.model, range(n))
+            self.skip_set = load_skip_set(
+                self.model, prompt, self.verify, cache=self.cache, reading=reading
+            )
+        keep = self.skip_set.keep
+        if self.skip_set.reading != "int8":
+            reading = None
+        elif reading is None:
+            reading = int8_reading(self.model, keep)
+        else:  # the skipped layers' copies go
+            reading.layers = {i: reading.layers[i] for i in keep}
+        view = LayerSkipView(self.model, keep, reading)
         cost = None
         if self.verify is not None:
             cost = scaled_profile(self.verify, self.skip_set.draft_fraction)

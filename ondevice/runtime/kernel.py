@@ -108,6 +108,7 @@ tests that check them) use `ONDEVICE_KERNEL=mlx`, or compare with this kernel's 
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import os
@@ -1302,6 +1303,45 @@ def _draft_head(model: nn.Module) -> None:
         cfg.draft_vocab_size = rows
     head.int8_rows = small
     _release()
+
+
+def int8_copy(module: nn.Module, rows: int | None = None) -> nn.Module | None:
+    """An int8 reading of a served module: a copy whose bf16 or float32 products are int8
+    copies (`KernelLinear.top`), sharing every other part (norms, rotary tables, attention), or
+    None where the kernel does not serve it in bf16 or float32 (MLX on Metal, an int8 model).
+    For a draft that is the model itself (method `self`): its step reads half the bytes.
+
+    rows: for a head (a `KernelLinear`, or the tied embedding), its first `rows` outputs only,
+    as an int8 draft's head (`_draft_head`)."""
+    if isinstance(module, KernelLinear):
+        if module._dtype == _S8:
+            return None
+        return module.top(min(rows or module.out_features, module.out_features), "int8")
+    if not any(isinstance(m, KernelLinear) and m._dtype != _S8 for _, m in module.named_modules()):
+        return None
+    memo: dict[int, Any] = {}
+
+    def copy_of(m: Any) -> Any:
+        if not isinstance(m, nn.Module):
+            return [copy_of(x) for x in m] if isinstance(m, list) else m
+        if id(m) not in memo:
+            if isinstance(m, KernelPart):
+                memo[id(m)] = KernelPart(copy_of(m._joint), m._lo, m._hi, owner="joint" in m)
+            elif isinstance(m, KernelLinear):
+                memo[id(m)] = m.top(m.out_features, "int8") if m._dtype != _S8 else m
+            elif not any(isinstance(x, KernelLinear) for _, x in m.named_modules()):
+                memo[id(m)] = m  # nothing to copy: shared
+            else:
+                new = copy.copy(m)  # the same attributes, its own children
+                for key, child in m.items():
+                    if isinstance(child, (nn.Module, list)) and not key.startswith("_"):
+                        new[key] = copy_of(child)
+                memo[id(m)] = new
+        return memo[id(m)]
+
+    out = copy_of(module)
+    _release()
+    return out
 
 
 def _release() -> None:

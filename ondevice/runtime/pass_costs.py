@@ -492,7 +492,8 @@ def best_size(
 
 # -- skip sets (method "self", `proposers/layer_skip.py`), cached beside the pass costs ----------
 
-SKIP_SET_FORMAT = 2  # 2: the search's cumulative drops go on down to its minimum agreement
+# 2: the search's cumulative drops go on down to its minimum agreement; 3: the draft's reading
+SKIP_SET_FORMAT = 3
 
 
 @dataclass
@@ -501,7 +502,9 @@ class SkipSet:
 
     agreement: the share of positions where the draft's greedy token is the verifier's.
     draft_fraction: a draft pass's cost as a share of a verifier pass (the kept share of the
-        weights read: the kept layers and the output head).
+        weights read, or measured where the draft reads int8 copies).
+    reading: `shared` (the draft reads the verifier's weights) or `int8` (int8 copies of the
+        kept layers and of the head's first rows, where the CPU kernel serves the verifier).
     speedup: the predicted tokens per second over plain decoding of a draft chain with that
         agreement (the best chain length the search tried; below 1: none pays). tried: [skip, agreement, speedup] of
         every set measured, in order. tokens: positions compared.
@@ -516,6 +519,7 @@ class SkipSet:
     tried: list[list] = field(default_factory=list)
     cost_profile: bool = True
     model: str = ""  # which model, for people (architecture and sizes)
+    reading: str = "shared"  # the draft reads the verifier's own weights, or int8 copies
 
     @property
     def keep(self) -> list[int]:
@@ -535,9 +539,10 @@ class SkipSet:
         return s
 
     def describe(self) -> str:
+        copies = ", int8 copies of the kept layers" if self.reading == "int8" else ""
         return (
             f"{self.model + ': ' if self.model else ''}skips {len(self.skip)} of {self.layers} "
-            f"layers {self.skip}: greedy agreement "
+            f"layers {self.skip}{copies}: greedy agreement "
             f"{self.agreement:.3f} over {self.tokens} tokens, draft pass {self.draft_fraction:.2f}"
             f" of a verifier pass, predicted {self.speedup:.2f}x plain"
         )
