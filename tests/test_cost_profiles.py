@@ -250,6 +250,18 @@ def test_auto_without_a_draft_takes_self_only_with_a_cached_skip_set_that_pays(
     plain = make_decoder(MLXEngine(verifier), None, SamplingParams())
     assert out == [t for r in plain.run(prompt, 24) for t in r.tokens]
     assert "self" not in dec.extra_stats().get("auto_left_out", {})  # medusa is: no heads
+    # a skip set whose draft reads int8 copies (the CPU kernel's) would cost auto a model's
+    # worth of memory: left out, saying how much and how to use it
+    skip = layer_skip.SkipSet.from_json(json.loads(layer_skip.skip_set_path(verifier).read_text()))
+    pass_costs.save_profile(
+        layer_skip.skip_set_path(verifier), {**skip.to_json(), "reading": "int8"}
+    )
+    layer_skip._MEMORY.clear()
+    dec, names = _auto(verifier)
+    assert "self" not in names
+    assert (
+        "int8 copies" in dec.proposer.left_out["self"] and " MB " in dec.proposer.left_out["self"]
+    )
 
 
 def test_auto_builds_every_registered_candidate_and_says_why_it_left_one_out(verifier):

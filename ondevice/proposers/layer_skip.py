@@ -108,6 +108,15 @@ class Reading:
     head: nn.Module
 
 
+def copies_bytes(model: Model, keep: Sequence[int]) -> int:
+    """About the memory an `int8_reading` of the layers `keep` takes: a byte per weight, and
+    the head's first `kernel.DRAFT_VOCAB` rows."""
+    from ondevice.runtime import kernel
+
+    rows = min(kernel.DRAFT_VOCAB, model.config.vocab_size)
+    return sum(_size(model.layers[i]) for i in keep) + rows * model.config.hidden_size
+
+
 def int8_reading(model: Model, layers: Sequence[int]) -> Reading | None:
     """int8 copies of `layers` and of the head's first `kernel.DRAFT_VOCAB` rows, where the CPU
     kernel serves the model in bf16 or float32 (`kernel.int8_copy`); None elsewhere (MLX on
@@ -419,6 +428,12 @@ def build(res: Resources, spec: Speculation) -> SelfDraftProposer:
             raise Unavailable(
                 f"its cached skip set predicts {found.speedup:.2f}x plain decoding, no gain "
                 f"({found.describe()})"
+            )
+        if found.reading == "int8":  # auto's candidates add no memory of a model's size
+            mb = copies_bytes(model, found.keep) / 1e6
+            raise Unavailable(
+                f"its draft reads int8 copies of {len(found.keep)} layers (about {mb:.0f} MB "
+                "beside the verifier's weights); ask for method 'self' to use it"
             )
     return SelfDraftProposer(
         model, res.vocab, res.chooser, res.verify_cost, depth=spec.num_draft_tokens or 8,
