@@ -218,6 +218,12 @@ def test_distill_heads_trains_resumes_and_exports_heads_that_run(verifier, tmp_p
     again = distill_heads(verifier, out, steps=40, resume=True, **small)
     assert again["step"] == 40 and len(again["losses"]) == 10  # continued, not restarted
     assert "head_agreement_start" not in again
+    # resumed on other text (more documents): continues; other heads: refused, naming the option
+    more = {**small, "chat_fraction": 0.2, "tokens": 7000}
+    with pytest.raises(ondevice.OndeviceError, match="num_heads=3, not 2"):
+        distill_heads(verifier, out, steps=45, resume=True, **{**more, "num_heads": 2})
+    third = distill_heads(verifier, out, steps=45, resume=True, **more)
+    assert third["step"] == 45 and third["documents"] > again["documents"]
     gen = ondevice.load(verifier, heads=out)
     for prompt in PROMPTS:
         spec = gen.generate(prompt, max_tokens=16, method="medusa")

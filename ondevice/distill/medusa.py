@@ -654,16 +654,28 @@ def _train_loop(
     return step
 
 
+# what a resumed run may change: where its text comes from (more answers, other documents are
+# how heads get better); the heads themselves and their targets must stay as they were
+DATA_OPTIONS = ("data", "chat_fraction", "gen_batch", "max_tokens")
+
+
 def _check_resume(work: Path, cfg: TrainConfig) -> None:
-    """Refuse a --resume whose checkpoint was made with other options (or is missing)."""
+    """Refuse a --resume whose checkpoint was made with other heads or targets (or is missing);
+    the text may differ (`DATA_OPTIONS`)."""
     old = checkpoint_config(work / CHECKPOINT)
     if old is None:
         raise OndeviceError(f"{work}: no checkpoint to resume from; run without --resume.")
-    for key in ("vocab", "seq_len", "extra"):
-        if old[key] != asdict(cfg)[key]:
+    new = asdict(cfg)
+    mine = {k: v for k, v in new["extra"].items() if k not in DATA_OPTIONS}
+    theirs = {k: v for k, v in old["extra"].items() if k not in DATA_OPTIONS}
+    for key, was, now in [
+        *((k, old[k], new[k]) for k in ("vocab", "seq_len")),
+        *((k, theirs.get(k), mine.get(k)) for k in sorted({*mine, *theirs})),
+    ]:
+        if was != now:
             raise OndeviceError(
-                f"--resume: the checkpoint was made with {key}={old[key]!r}, not "
-                f"{asdict(cfg)[key]!r}; pass the same options."
+                f"--resume: the checkpoint was made with {key}={was!r}, not {now!r}; pass the "
+                "same options (only the text may change: --data, --chat-fraction, --tokens)."
             )
 
 
