@@ -665,17 +665,18 @@ def _check_resume(work: Path, cfg: TrainConfig) -> None:
     old = checkpoint_config(work / CHECKPOINT)
     if old is None:
         raise OndeviceError(f"{work}: no checkpoint to resume from; run without --resume.")
-    new = asdict(cfg)
-    mine = {k: v for k, v in new["extra"].items() if k not in DATA_OPTIONS}
-    theirs = {k: v for k, v in old["extra"].items() if k not in DATA_OPTIONS}
-    for key, was, now in [
-        *((k, old[k], new[k]) for k in ("vocab", "seq_len")),
-        *((k, theirs.get(k), mine.get(k)) for k in sorted({*mine, *theirs})),
-    ]:
-        if was != now:
+
+    def heads_options(c: dict) -> dict:
+        extra = {k: v for k, v in c["extra"].items() if k not in DATA_OPTIONS}
+        return {"vocab": c["vocab"], "seq_len": c["seq_len"], **extra}
+
+    was, now = heads_options(old), heads_options(asdict(cfg))
+    for key in sorted(was.keys() | now.keys()):
+        if was.get(key) != now.get(key):
             raise OndeviceError(
-                f"--resume: the checkpoint was made with {key}={was!r}, not {now!r}; pass the "
-                "same options (only the text may change: --data, --chat-fraction, --tokens)."
+                f"--resume: the checkpoint was made with {key}={was.get(key)!r}, not "
+                f"{now.get(key)!r}; pass the same options (only the text may change: --data, "
+                "--chat-fraction, --tokens)."
             )
 
 
