@@ -313,6 +313,53 @@ def test_the_kernels_rotary_embedding_computes_what_mlx_does(traditional, scalin
     assert np.array_equal(one, got[:, :, 3:4])
 
 
+def test_the_rotary_embedding_looks_positions_up_once_a_pass_and_never_reuses_stale_ones():
+    """Every layer's q and k of a pass share its positions, so they are looked up once; a new
+    offset, length or positions array (a tree pass's, even with the same span) looks up anew."""
+    rope = transformer.RoPE(ModelConfig.from_dict(tiny.make_config("llama")))
+    r = np.random.default_rng(4)
+    x = r.standard_normal((1, 2, 3, rope.dims)).astype(np.float32)
+    ours = kernel.KernelRoPE(rope)
+    calls = [(5, None), (5, None), (6, None), (5, mx.array([5, 6, 6])), (5, mx.array([5, 6, 7]))]
+    calls += [(5, None), (9, None)]
+    for offset, pos in calls:
+        fresh = kernel.KernelRoPE(rope)(x, offset, pos)
+        assert np.array_equal(ours(x, offset, pos), fresh), (offset, pos)
+
+
+def test_attention_reads_a_caches_key_blocks_in_place_with_the_same_numbers():
+    """A numpy KV cache keeps the rows past its offset zero (after appends, rollbacks and a
+    tree's keep), so attention reads its whole key blocks in place; the numbers are those of
+    zero-padded copies, bit for bit. A buffer whose next rows are not zero is copied."""
+    from ondevice.models.cache import LayerCache
+
+    r = np.random.default_rng(5)
+    H, KV, D, blk = 6, 2, 16, 8
+
+    def kv(n):
+        return [r.standard_normal((1, KV, n, D)).astype(np.float32) for _ in range(2)]
+
+    cache = LayerCache()
+    cache.update_and_fetch(*kv(13))
+    cache.trim(4)  # a rejected tail
+    cache.update_and_fetch(*kv(5))
+    cache.keep(5, [0, 2, 3])  # a tree's accepted path
+    k, v = cache.update_and_fetch(*kv(1))
+    S = cache.offset
+    assert S == 13 and not cache.keys[:, :, S:].any() and not cache.values[:, :, S:].any()
+    rows = -(-S // blk) * blk
+    assert np.shares_memory(kernel._key_blocks(k, rows), cache.keys)
+    q = r.standard_normal((1, H, 1, D)).astype(np.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernel, "KEY_BLOCK", blk)
+        want = kernel.attention(q, k.copy(), v.copy(), scale=0.25, mask=None)
+        assert np.array_equal(kernel.attention(q, k, v, scale=0.25, mask=None), want)
+        # rows after the keys that are not zero (any buffer's) are never read as padding
+        cache.keys[:, :, S:], cache.values[:, :, S:] = np.nan, 1e30
+        assert not np.shares_memory(kernel._key_blocks(k, rows), cache.keys)
+        assert np.array_equal(kernel.attention(q, k, v, scale=0.25, mask=None), want)
+
+
 def test_the_kernels_norm_computes_what_mlx_does():
     norm = nn.RMSNorm(48, eps=1e-5)
     norm.weight = mx.array(np.random.default_rng(1).standard_normal(48).astype(np.float32))

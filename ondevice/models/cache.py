@@ -3,6 +3,10 @@
 Keys and values live in preallocated buffers indexed by position (as in gpt-fast): rolling back
 is just moving `offset` back, and rejected entries are overwritten by the next append.
 
+A numpy buffer's rows past `offset` are kept zero (the rows a rollback forgets are cleared, a few
+a round), so the CPU kernel's attention reads its whole key blocks in place instead of copying the
+keys into zero-padded blocks every layer and pass (runtime/kernel.py, `_key_blocks`).
+
 The buffers are MLX arrays, or numpy ones where the model hands the cache numpy keys (a model
 served by the CPU kernel runs its pass on numpy, runtime/kernel.py "Glue": an MLX buffer would
 cost an MLX evaluation per layer and pass). A cache fed the other kind converts its buffers once.
@@ -32,6 +36,7 @@ class LayerCache:
         if self.keys is not None and isinstance(self.keys, np.ndarray) != numpy:
             convert = np.array if numpy else mx.array
             self.keys, self.values = convert(self.keys), convert(self.values)
+            self._clear(self.offset, self.keys.shape[2])
         n = keys.shape[2]
         end = self.offset + n
         if self.keys is None or end > self.keys.shape[2]:
@@ -53,15 +58,24 @@ class LayerCache:
             new_v[..., : self.offset, :] = self.values[..., : self.offset, :]
         self.keys, self.values = new_k, new_v
 
+    def _clear(self, start: int, end: int) -> None:
+        """Zero a numpy buffer's rows start..end, forgotten (see the module)."""
+        if isinstance(self.keys, np.ndarray) and end > start:
+            self.keys[..., start:end, :] = 0
+            self.values[..., start:end, :] = 0
+
     def trim(self, n: int) -> None:
+        end = self.offset
         self.offset -= min(max(n, 0), self.offset)
+        self._clear(self.offset, end)
 
     def keep(self, n_recent: int, indices: Sequence[int]) -> None:
         """Of the last `n_recent` entries keep those at `indices` (relative, increasing), in order."""
-        start = self.offset - n_recent
+        start, end = self.offset - n_recent, self.offset
         idx = list(indices)
         if idx == list(range(len(idx))):  # a prefix: plain rollback, no copy
             self.offset = start + len(idx)
+            self._clear(self.offset, end)
             return
         if idx and isinstance(self.keys, np.ndarray):
             src_np = np.array([start + i for i in idx])
@@ -78,6 +92,7 @@ class LayerCache:
             self.keys[..., start : start + len(idx), :] = k
             self.values[..., start : start + len(idx), :] = v
         self.offset = start + len(idx)
+        self._clear(self.offset, end)
 
     @property
     def buffers(self) -> list[Any]:

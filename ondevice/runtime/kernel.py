@@ -612,7 +612,11 @@ class KernelNorm(nn.Module):
 
     def __call__(self, x: mx.array | np.ndarray) -> mx.array | np.ndarray:
         a = _np(x)
-        out = a / np.sqrt(np.mean(np.square(a), axis=-1, keepdims=True) + np.float32(self.eps))
+        # np.mean's sum and division without its Python wrapper (the same float32 values)
+        ms = np.add.reduce(np.square(a), axis=-1, keepdims=True)
+        ms /= a.shape[-1]
+        ms += np.float32(self.eps)
+        out = a / np.sqrt(ms, out=ms)
         out *= self._w
         return _like(x, out)
 
@@ -628,6 +632,7 @@ class KernelRoPE(nn.Module):
         # the angle of pair i at position p: p * scale / wavelength_i (`rope_wavelengths`)
         self._step = float(rope._scale) / np.asarray(rope._freqs, np.float64)
         self._cos = self._sin = np.zeros((0, self._step.size), np.float32)
+        self._last: tuple[Any, ...] = ((-1, 0), None)  # ((offset, L), positions, cos, sin)
 
     def _table(self, n: int) -> None:
         if n > len(self._cos):
@@ -643,12 +648,17 @@ class KernelRoPE(nn.Module):
     ) -> mx.array | np.ndarray:
         a = _np(x)  # (B, heads, L, D)
         L, half = a.shape[2], a.shape[3] // 2
-        if positions is None:
-            pos = np.arange(offset, offset + L)[None]
-        else:  # (L,) or (B, L)
-            pos = np.asarray(positions).astype(np.int64).reshape(-1, L)
-        self._table(int(pos.max()) + 1)
-        cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # (B or 1, 1, L, half)
+        # every layer's q and k of a pass rotate by the same positions: looked up once a pass
+        span = (offset, L)
+        if self._last[0] != span or self._last[1] is not positions:
+            if positions is None:
+                pos = np.arange(offset, offset + L)[None]
+            else:  # (L,) or (B, L)
+                pos = np.asarray(positions).astype(np.int64).reshape(-1, L)
+            self._table(int(pos.max()) + 1)
+            # (B or 1, 1, L, half)
+            self._last = (span, positions, self._cos[pos][:, None], self._sin[pos][:, None])
+        cos, sin = self._last[2:]
         out = np.empty(a.shape, np.float32)
         if self.traditional:  # rotated pairs (x0, x1), (x2, x3), ...
             x1, x2, o1, o2 = a[..., 0::2], a[..., 1::2], out[..., 0::2], out[..., 1::2]
@@ -702,19 +712,20 @@ def attention(
     kv_heads, S, Dv = kn.shape[1], kn.shape[2], vn.shape[3]
     rep, blk = H // kv_heads, KEY_BLOCK
     nb = -(-S // blk)
-    kp = np.zeros((B, kv_heads, nb * blk, D), np.float32)
-    vp = np.zeros((B, kv_heads, nb * blk, Dv), np.float32)
-    kp[:, :, :S], vp[:, :, :S] = kn, vn
+    kp, vp = _key_blocks(kn, nb * blk), _key_blocks(vn, nb * blk)
     # (B, kv_heads, L, 1, rep, D) @ (B, kv_heads, 1, nb, D, blk): one (rep, D) x (D, blk)
     # product per token and block
     qs = (qn * np.float32(scale)).reshape(B, kv_heads, rep, L, D).transpose(0, 1, 3, 2, 4)
     qs = np.ascontiguousarray(qs)  # every (rep, D) matrix alike, whatever L
     s = qs[:, :, :, None] @ kp.reshape(B, kv_heads, 1, nb, blk, D).swapaxes(-1, -2)
     # s: (B, kv_heads, L, nb, rep, blk), a fresh contiguous array: changed in place below
-    keys = np.arange(nb * blk).reshape(nb, 1, blk)
-    # the padding, and with "causal" the keys after each query's own (position S - L + l)
-    last = (S - L + np.arange(L)).reshape(L, 1, 1, 1) if isinstance(mask, str) else S - 1
-    s += np.where(keys <= last, np.float32(0), np.float32(-np.inf))
+    if isinstance(mask, str) and L > 1:
+        # the padding, and the keys after each query's own (position S - L + l)
+        keys = np.arange(nb * blk).reshape(nb, 1, blk)
+        last = (S - L + np.arange(L)).reshape(L, 1, 1, 1)
+        s += np.where(keys <= last, np.float32(0), np.float32(-np.inf))
+    else:  # the padding only (a query's own key is the last): the same scores, one write
+        s[..., nb - 1, :, S - (nb - 1) * blk :] = -np.inf
     if mask is not None and not isinstance(mask, str):
         m = np.asarray(mask)
         m = m.reshape((1,) * (4 - m.ndim) + m.shape)
@@ -738,6 +749,30 @@ def attention(
         out += outs[:, :, :, b]
     out /= total[..., None]
     return _like(q, out.transpose(0, 1, 3, 2, 4).reshape(B, H, L, Dv))
+
+
+def _key_blocks(a: np.ndarray, rows: int) -> np.ndarray:
+    """Keys or values `a` (B, kv_heads, S, D) with zero rows after them up to `rows` (whole key
+    blocks): read in place where `a` is the start of a float32 buffer whose next rows are
+    already zeros (a KV cache's: models/cache.py keeps the rows past its offset zero), else a
+    padded copy. The same numbers either way, and so the same products: each (key block, D)
+    matrix has the same strides in both."""
+    S, base = a.shape[2], a.base
+    if (
+        isinstance(base, np.ndarray)
+        and base.dtype == np.float32
+        and base.ndim == 4
+        and base.shape[:2] == a.shape[:2]
+        and base.shape[3] == a.shape[3]
+        and base.shape[2] >= rows
+        and base.strides == a.strides
+        and base.ctypes.data == a.ctypes.data
+        and not base[:, :, S:rows].any()
+    ):
+        return base[:, :, :rows]
+    out = np.zeros((*a.shape[:2], rows, a.shape[3]), np.float32)
+    out[:, :, :S] = a
+    return out
 
 
 _PATHS: list[Any] = [None, 0, 0, None]  # (a pass's mask, S, L, `_paths` of them): its layers
