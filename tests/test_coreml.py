@@ -525,6 +525,50 @@ def test_failure_during_conversion_leaves_nothing(tmp, llama, monkeypatch):
     assert not out.exists() and _leftovers(parent) == []
 
 
+def test_the_checks_read_the_package_after_the_built_model_is_freed(tmp, llama, monkeypatch):
+    """The lint and the range probe load the package from disk: by then the in-memory model, its
+    float16 weights and the float32 ones (made by the caller's function) are gone and freed
+    memory is handed back (`memory.release`), so the phases do not hold each other's copies
+    (converting the 0.5B draft peaked at 10.7 GiB with all of them held)."""
+    import gc
+    import weakref
+
+    from ondevice.convert import coreml
+
+    loaded, _, _ = llama
+    built: list[weakref.ref] = []
+    events: list[str] = []
+    build, lint = coreml._build_model, coreml._refuse_lint_errors
+
+    def tracked_build(*args, **kwargs):
+        model = build(*args, **kwargs)
+        built.append(weakref.ref(model))
+        return model
+
+    def tracked_lint(package):
+        gc.collect()
+        events.append("lint, model " + ("alive" if built[0]() is not None else "freed"))
+        events.append("float32 weights " + ("alive" if expanded[0]() is not None else "freed"))
+        return lint(package)
+
+    expanded: list[weakref.ref] = []
+
+    def weights():  # as the converter's command passes them: made inside, owned by the call
+        made = numpy_weights(loaded.model)
+        expanded.append(weakref.ref(made["model.norm.weight"]))
+        return made
+
+    monkeypatch.setattr(coreml, "_build_model", tracked_build)
+    monkeypatch.setattr(coreml, "_refuse_lint_errors", tracked_lint)
+    monkeypatch.setattr(coreml, "release", lambda collect=False: events.append("release"))
+    out = tmp / "freed" / "draft.mlpackage"
+    convert_draft(
+        loaded.config, weights, out, context=CONTEXT, chunk=CHUNK, probe_prompts=[[5, 9, 14, 3]]
+    )
+    freed = ["lint, model freed", "float32 weights freed"]
+    assert events == ["release", "release", *freed, "release", "release"]
+
+
 def test_not_a_package(tmp):
     (tmp / "empty.mlpackage").mkdir()
     with pytest.raises(OndeviceError, match="not a .mlpackage"):

@@ -24,6 +24,7 @@ from typing import Any
 from ondevice.apps.options import DTYPES, QUANTIZE_BITS
 from ondevice.convert.coreml import COMPRESSIONS, DEFAULT_CHUNK, DEFAULT_CONTEXT, KV_MODES
 from ondevice.errors import OndeviceError
+from ondevice.runtime.memory import release
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -334,9 +335,9 @@ def convert(args: argparse.Namespace) -> int:
     _validate(args)
     check_destination(out, args.force, estimate_bundle_bytes(args))  # before minutes of loading
     phases = Phases(total=9)
-    verifier, draft = _load_pair(args, phases)
+    pair = list(_load_pair(args, phases))
     with staging_dir(out, force=args.force) as tmp:
-        _write_bundle(args, verifier, draft, tmp, phases)
+        _write_bundle(args, pair, tmp, phases)
         sizes = {
             "verifier": total_size(tmp / "verifier"),
             "draft.mlpackage": total_size(tmp / "draft" / "draft.mlpackage"),
@@ -364,20 +365,17 @@ def _load_pair(args: argparse.Namespace, phases: Phases) -> tuple[Any, Any]:
     return verifier, draft
 
 
-def _measure_acceptance(
-    args: argparse.Namespace, verifier: Any, draft: Any, tmp: Path
-) -> dict | None:
+def _measure_acceptance(args: argparse.Namespace, tokenizer: Any, tmp: Path) -> dict | None:
     """The pair's greedy acceptance per domain (`convert.acceptance`), or None if skipped."""
     if not args.acceptance_tokens:
         return None
     from ondevice.convert.acceptance import domain_prompts, measure
 
-    prompts = domain_prompts(verifier.tokenizer)
-    v, d = _served_as_loaded(verifier.model, draft.model, tmp)
+    prompts = domain_prompts(tokenizer)
+    v, d = _served_as_loaded(tmp)
     record = measure(
-        v, d, prompts, args.acceptance_tokens,
-        eos_token_ids=sorted(verifier.tokenizer.eos_token_ids),
-    )  # fmt: skip
+        v, d, prompts, args.acceptance_tokens, eos_token_ids=sorted(tokenizer.eos_token_ids)
+    )
     rates = ", ".join(
         f"{name} {d['accepted'] / max(d['accepted'] + d['rejected'], 1):.2f}"
         for name, d in record["domains"].items()
@@ -386,35 +384,42 @@ def _measure_acceptance(
     return record
 
 
-def _served_as_loaded(verifier: Any, draft: Any, tmp: Path) -> tuple[Any, Any]:
+def _served_as_loaded(tmp: Path) -> tuple[Any, Any]:
     """The models as `ondevice.load` will serve the bundle's written MLX folders in `tmp`: on a
     CPU, dequantized with their products through the CPU kernel (MLX's quantized products on a
     CPU made the acceptance phase alone run for over 20 minutes on a 2-core VM), so the record is
-    also what later runs' acceptance is judged against; elsewhere the models as loaded."""
+    also what later runs' acceptance is judged against; elsewhere as written (MLX on Metal)."""
     import mlx.core as mx
 
-    if mx.default_device() != mx.cpu:
-        return verifier, draft
     from ondevice.models import load_model
     from ondevice.runtime import kernel
 
+    folders = (tmp / "verifier", tmp / "draft" / "mlx")
+    if mx.default_device() != mx.cpu:
+        v, d = (load_model(f).model for f in folders)
+        return v, d
     opts = {"dequantize": True, "product_dtype": kernel.weight_dtype()}
-    v = load_model(tmp / "verifier", **opts).model
-    d = load_model(tmp / "draft" / "mlx", **opts).model
+    v, d = (load_model(f, **opts).model for f in folders)
     kernel.serve_pair(v, d)
     return v, d
 
 
-def _write_bundle(
-    args: argparse.Namespace, verifier: Any, draft: Any, tmp: Path, phases: Phases
-) -> None:
-    """Every file of the bundle into the staging directory `tmp`, the manifest last."""
+def _write_bundle(args: argparse.Namespace, pair: list[Any], tmp: Path, phases: Phases) -> None:
+    """Every file of the bundle into the staging directory `tmp`, the manifest last. `pair`
+    ([verifier, draft] as loaded) is emptied as each is written (the verifier before the draft's
+    conversion, the draft before the acceptance phase, which loads both as they will be served),
+    so that no phase holds a copy it does not need (docs/benchmarks.md, "The conversion's
+    memory")."""
     from tqdm import tqdm
 
     from ondevice.convert.bundle import file_entries, total_size, write_manifest
 
+    verifier, draft = pair
     with phases("writing verifier (MLX)"):
         _save_mlx(verifier, tmp / "verifier")
+    tokenizer, models = verifier.tokenizer, {"verifier": _describe(verifier, str(args.verifier))}
+    pair[0] = verifier = None  # on disk: its memory is the draft's conversion's
+    release(collect=True)
     with phases("writing draft (MLX)"):
         _save_mlx(draft, tmp / "draft" / "mlx")
     with (
@@ -424,24 +429,33 @@ def _write_bundle(
         ),
         _coremltools_progress(shown=args.verbose),
     ):
-        description = _convert_draft(args, draft, tmp / "draft" / "draft.mlpackage")
+        coreml = _convert_draft(args, draft, tmp / "draft" / "draft.mlpackage")
+    models["draft"] = _describe(draft, str(args.draft))
+    pair.clear()
+    del draft
+    release(collect=True)  # the loaded draft and the conversion's garbage
     with phases(f"measuring the pair's acceptance per domain ({args.acceptance_tokens} tokens)"):
-        acceptance = _measure_acceptance(args, verifier, draft, tmp)
+        acceptance = _measure_acceptance(args, tokenizer, tmp)
+    release(collect=True)  # the served copies it measured with
     with phases("writing tokenizer"):
-        verifier.tokenizer.save(tmp / "tokenizer")
+        tokenizer.save(tmp / "tokenizer")
     with phases("computing checksums"):
         with tqdm(
             total=total_size(tmp), unit="B", unit_scale=True, leave=False, file=sys.stderr
         ) as bar:
             files = file_entries(tmp, progress=bar.update)
-        write_manifest(tmp, _manifest(args, verifier, draft, description, files, acceptance))
+        write_manifest(tmp, _manifest(args, tokenizer, models, coreml, files, acceptance))
 
 
 def _convert_draft(args: argparse.Namespace, draft: Any, path: Path) -> dict:
     """The draft as a Core ML package at `path` (lint and float16 probe included)."""
     from ondevice.convert import coreml
 
-    weights = draft_numpy_weights(draft.model)
+    def weights() -> dict[str, Any]:  # made inside, so freed once laid out (`convert_draft`)
+        expanded = draft_numpy_weights(draft.model)
+        release(collect=True)  # MLX's float32 copies, expanded on the way to numpy
+        return expanded
+
     description = coreml.convert_draft(
         draft.model.config,
         weights,
@@ -453,35 +467,35 @@ def _convert_draft(args: argparse.Namespace, draft: Any, path: Path) -> dict:
         progress=_convert_progress(),
         probe_prompts=_probe_prompts(draft.tokenizer)[: args.probe_prompts],
     )
-    del weights
     return description
 
 
 def _manifest(
     args: argparse.Namespace,
-    verifier: Any,
-    draft: Any,
+    tokenizer: Any,
+    models: dict[str, dict],
     description: dict,
     files: Any,
     acceptance: dict | None = None,
 ) -> dict[str, Any]:
-    """The bundle's manifest fields (`write_manifest` adds the format's own)."""
+    """The bundle's manifest fields (`write_manifest` adds the format's own); `models`: the
+    verifier's and the draft's `_describe`."""
     return {
         "context_length": args.context,
         "tokenizer": {
             "path": "tokenizer",
-            "fingerprint": verifier.tokenizer.fingerprint(),
-            "vocab_size": verifier.tokenizer.vocab_size,
-            "eos_token_ids": sorted(verifier.tokenizer.eos_token_ids),
+            "fingerprint": tokenizer.fingerprint(),
+            "vocab_size": tokenizer.vocab_size,
+            "eos_token_ids": sorted(tokenizer.eos_token_ids),
             # How a GGUF vocabulary was built (version, pre-tokenizer): a later ondevice tells
             # a tokenizer built the old way from this (models.gguf_tokenizer).
-            **({"gguf": verifier.tokenizer.origin} if verifier.tokenizer.origin else {}),
+            **({"gguf": tokenizer.origin} if tokenizer.origin else {}),
         },
-        "verifier": {"path": "verifier", **_describe(verifier, str(args.verifier))},
+        "verifier": {"path": "verifier", **models["verifier"]},
         "draft": {
             "mlx": "draft/mlx",
             "mlpackage": "draft/draft.mlpackage",
-            **_describe(draft, str(args.draft)),
+            **models["draft"],
             "functions": description.get("functions"),
             "coreml": description,
         },

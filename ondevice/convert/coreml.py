@@ -86,6 +86,7 @@ from ondevice.convert.layout import (
 from ondevice.convert.probe import RangeReport, probe_float16_range
 from ondevice.errors import ConversionError, OndeviceError
 from ondevice.models.config import ModelConfig
+from ondevice.runtime.memory import release
 from ondevice.runtime.mil.numerics import FP16_MAX
 from ondevice.runtime.mil.package import FORMAT_VERSION, METADATA_KEY
 
@@ -228,7 +229,7 @@ def _refuse_out_of_range(report: RangeReport) -> None:
 
 def convert_draft(
     config: ModelConfig,
-    weights: dict[str, np.ndarray],
+    weights: dict[str, np.ndarray] | Callable[[], dict[str, np.ndarray]],
     out: Path,
     *,
     context: int = DEFAULT_CONTEXT,
@@ -240,7 +241,9 @@ def convert_draft(
 ) -> dict:
     """Write the draft as a multifunction `.mlpackage` at `out`; return its description.
 
-    `weights`: float32 numpy arrays with Hugging Face names (`lm_head.weight` absent when tied).
+    `weights`: float32 numpy arrays with Hugging Face names (`lm_head.weight` absent when tied),
+    or a function that makes them, called once: then they are freed as soon as they are laid
+    out in float16, before the package is written and checked (2 GB for the 0.5B draft).
     Before the package is moved into place it must pass the Neural Engine lint
     (`ondevice.convert.lint`) and, given `probe_prompts` (token ids of real prompts), the float16
     range probe: no op of the reference-executed package may exceed RANGE_LIMIT on them. Either
@@ -255,7 +258,9 @@ def convert_draft(
 
     t0 = time.perf_counter()
     say("preparing weights")
-    w = prepare_weights(config, weights)
+    w = prepare_weights(config, weights() if callable(weights) else weights)
+    del weights  # the caller's function made the only reference
+    release(collect=True)
     dims = Dims.of(config, context)
     description = _describe(dims, context, chunk, kv, compress, config)
 
@@ -271,6 +276,8 @@ def convert_draft(
         model.user_defined_metadata[METADATA_KEY] = json.dumps(description)
         final = work / "draft.mlpackage"
         model.save(str(final))
+        del model, w  # the checks read the package from disk
+        release(collect=True)
         _check_package(final, probe_prompts, description, say)
         final.rename(out)
     except OndeviceError:
@@ -368,6 +375,7 @@ def _check_package(
     added to `description`; either raises ConversionError on what it finds."""
     say("Neural Engine lint")
     _refuse_lint_errors(package)
+    release(collect=True)  # the lint's copy of the program
     if _core_ml_can_plan():
         _check_plan(package, description, say)
     if not probe_prompts:
@@ -375,6 +383,7 @@ def _check_package(
     say(f"float16 range probe on {len(probe_prompts)} prompts (reference executor)")
     t_probe = time.perf_counter()
     report = probe_float16_range(package, probe_prompts)
+    release(collect=True)  # the reference executor's weights
     _refuse_out_of_range(report)
     description["float16_probe"] = {
         "seconds": round(time.perf_counter() - t_probe, 1),

@@ -123,6 +123,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ondevice.runtime.memory import release
+
 ENV = "ONDEVICE_KERNEL"
 CHOICES = ("auto", "bf16", "int8", "f32", "mlx")
 DEFAULT = "auto"  # see "Which tokens" above
@@ -1241,7 +1243,7 @@ def _swap(model: nn.Module, kind: str, threads: int) -> None:
     ]
     for module, names in groups:
         _join(module, names, kind)
-        _release()
+        release()
     del groups
     # The embedding too: tied, it is the head; in bf16 it takes half the memory; and its lookups
     # start the numpy glue (below).
@@ -1273,7 +1275,7 @@ def _swap(model: nn.Module, kind: str, threads: int) -> None:
             m.gating = silu_gate
     if batch_invariant(model):  # every product is the kernel's: the glue runs on numpy too
         _numpy_glue(model)
-    _release()
+    release()
 
 
 def _numpy_glue(model: nn.Module) -> None:
@@ -1310,7 +1312,7 @@ def _to_int8(model: nn.Module) -> None:
     for m in _layer_products(model):
         if m._dtype == _BF16:
             m.to_int8()
-            _release()
+            release()
 
 
 def _pack(model: nn.Module) -> None:
@@ -1320,7 +1322,7 @@ def _pack(model: nn.Module) -> None:
     for m in [*_layer_products(model), model.head]:  # type: ignore[union-attr]
         if isinstance(m, KernelLinear):
             m.pack()
-            _release()
+            release()
 
 
 def _draft_head(model: nn.Module) -> None:
@@ -1337,7 +1339,7 @@ def _draft_head(model: nn.Module) -> None:
     if rows < cfg.vocab_size:
         cfg.draft_vocab_size = rows
     head.int8_rows = small
-    _release()
+    release()
 
 
 def int8_copy(module: nn.Module, rows: int | None = None) -> nn.Module | None:
@@ -1375,27 +1377,5 @@ def int8_copy(module: nn.Module, rows: int | None = None) -> nn.Module | None:
         return memo[id(m)]
 
     out = copy_of(module)
-    _release()
+    release()
     return out
-
-
-def _release() -> None:
-    """Hand the memory of replaced weights back to the system: out of MLX's buffer cache, and
-    out of the C heap, where glibc keeps freed blocks below its (adaptive, up to 32 MB) mmap
-    threshold resident until trimmed, so that the parts of a joined product would otherwise
-    stay in the process beside the joint copy."""
-    mx.clear_cache()
-    if _libc is not None:
-        _libc.malloc_trim(0)
-
-
-def _glibc() -> Any:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-        return libc
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        return None
-
-
-_libc = _glibc() if sys.platform.startswith("linux") else None

@@ -1,5 +1,6 @@
 """Memory on a Mac: MLX's wired and cache limits sized from the GPU's working set and the models,
-and the process's peak footprint (MLX and Core ML together) beside MLX's own peak.
+and the process's peak footprint (MLX and Core ML together) beside MLX's own peak; and on any
+machine, handing freed memory back to the system (`release`) between phases that each need much.
 
 As mlx-lm does while it generates, the wired limit is raised to the Metal device's recommended
 working set, so the weights stay resident instead of being paged between passes, with a warning
@@ -10,10 +11,44 @@ ML draft, which allocates outside MLX.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import resource
 import sys
 from dataclasses import dataclass
 from typing import Any
+
+
+def _glibc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        return libc
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+_libc = _glibc() if sys.platform.startswith("linux") else None
+
+
+def release(collect: bool = False) -> None:
+    """Hand freed memory back to the system: out of MLX's buffer cache, and out of the C heap,
+    where glibc keeps freed blocks below its (adaptive, up to 32 MB) mmap threshold resident
+    until trimmed, per thread's arena, so a later phase does not necessarily reuse them.
+    `collect`: collect reference cycles first (a phase's objects, after it returns).
+
+    The CPU kernel calls it as it replaces weights (the parts of a joined product would stay
+    beside the joint copy), the converter between its phases: converting the 0.5B draft left
+    about 8 GB resident of which 1 GB was live (docs/benchmarks.md, "The conversion's
+    memory")."""
+    import mlx.core as mx
+
+    if collect:
+        gc.collect()
+    mx.clear_cache()
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
 
 CACHE_SHARE = 0.25  # of the working set the models leave free
 CLOSE_TO_LIMIT = 0.9  # mlx-lm warns above this share of the recommended working set
