@@ -38,8 +38,8 @@ def release(collect: bool = False) -> None:
     `collect`: collect reference cycles first (a phase's objects, after it returns).
 
     The CPU kernel calls it as it replaces weights (the parts of a joined product would stay
-    beside the joint copy), the converter between its phases: converting the 0.5B draft left
-    about 8 GB resident of which 1 GB was live (docs/benchmarks.md, "The conversion's
+    beside the joint copy), the converter between its phases: after converting the 0.5B draft
+    8.9 GiB stayed resident, of which 0.9 GiB was live (docs/benchmarks.md, "The conversion's
     memory")."""
     import mlx.core as mx
 
