@@ -109,8 +109,9 @@ def ensure_bundle(pair_name: str | None = None) -> str:
         f"into {bundle} (once)",
         file=sys.stderr,
     )
-    # In a child process: conversion holds both models and the draft's numpy weights, and the
-    # demo then loads the bundle expanded to float32; in one process the peak was 16 GB.
+    # In a child process: whatever the conversion leaves resident (it frees each copy once
+    # written, but allocators and coremltools keep some) goes with it before the demo loads
+    # the bundle; in one process, before the conversion freed its copies, the peak was 16 GB.
     import subprocess
 
     code = subprocess.call(
