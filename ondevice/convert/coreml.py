@@ -259,7 +259,7 @@ def convert_draft(
     t0 = time.perf_counter()
     say("preparing weights")
     w = prepare_weights(config, weights() if callable(weights) else weights)
-    del weights  # the caller's function made the only reference
+    del weights  # where the caller passed a function, the only reference to them
     release(collect=True)
     dims = Dims.of(config, context)
     description = _describe(dims, context, chunk, kv, compress, config)
