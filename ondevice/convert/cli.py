@@ -394,13 +394,11 @@ def _served_as_loaded(tmp: Path) -> tuple[Any, Any]:
     from ondevice.models import load_model
     from ondevice.runtime import kernel
 
-    folders = (tmp / "verifier", tmp / "draft" / "mlx")
-    if mx.default_device() != mx.cpu:
-        v, d = (load_model(f).model for f in folders)
-        return v, d
-    opts = {"dequantize": True, "product_dtype": kernel.weight_dtype()}
-    v, d = (load_model(f, **opts).model for f in folders)
-    kernel.serve_pair(v, d)
+    cpu = mx.default_device() == mx.cpu
+    opts = {"dequantize": True, "product_dtype": kernel.weight_dtype()} if cpu else {}
+    v, d = (load_model(f, **opts).model for f in (tmp / "verifier", tmp / "draft" / "mlx"))
+    if cpu:
+        kernel.serve_pair(v, d)
     return v, d
 
 
@@ -456,7 +454,7 @@ def _convert_draft(args: argparse.Namespace, draft: Any, path: Path) -> dict:
         release(collect=True)  # MLX's float32 copies, expanded on the way to numpy
         return expanded
 
-    description = coreml.convert_draft(
+    return coreml.convert_draft(
         draft.model.config,
         weights,
         path,
@@ -467,7 +465,6 @@ def _convert_draft(args: argparse.Namespace, draft: Any, path: Path) -> dict:
         progress=_convert_progress(),
         probe_prompts=_probe_prompts(draft.tokenizer)[: args.probe_prompts],
     )
-    return description
 
 
 def _manifest(
