@@ -182,6 +182,49 @@ def test_dynamic_tree_grows_only_as_deep_as_the_costs_pay():
     assert grown == {"steep": (1, 1), "step": (6, 6), "flat": (6, 6)}
 
 
+class _PassSizes(TreeTableEngine):
+    """Records how many tokens each tree pass feeds (a dynamic tree's expansions)."""
+
+    def feed_masked(self, tokens, *args, **kwargs):
+        self.sizes.append(len(tokens))
+        return super().feed_masked(tokens, *args, **kwargs)
+
+
+def test_a_dynamic_tree_expands_only_the_nodes_worth_a_larger_draft_pass():
+    """On a CPU a draft's pass over 4 tokens costs more than over 1 (the 0.5B int8 draft: 30 /
+    38 ms). Where the draft is sure, its runner-up nodes are not worth the larger pass: each
+    level expands one node and the tree grows as deep as a chain, where expanding all four at
+    the four-token price stopped it at depth 5 (held-out coding: the tree made 3.56 tokens a
+    pass to the chain's 4.92, docs/benchmarks.md, "session 14"). Where the draft is torn
+    between two tokens, both are expanded, and not the two nodes it has no hope for. A cost
+    that does not depend on the number of nodes (Medusa's heads) expands them all, as before."""
+    from ondevice.proposers.base import cost_rate
+
+    verify = CostProfile([1, 8, 16, 64], [0.172, 0.192, 0.26, 1.29])  # 1.5B, oneDNN bf16
+    draft = CostProfile([1, 2, 4], [0.030, 0.034, 0.038])
+
+    def grow(eng, expand):
+        prop = DraftTreeProposer(
+            eng, V, SamplingParams(), mode="dynamic", depth=12, topk=4,
+            budget=cost_budget(verify, 0.030), expand_cost=expand, rate=cost_rate(verify, 0.030),
+        )  # fmt: skip
+        prop.reset([5, 6])
+        eng.sizes = []
+        tree = prop.propose([5, 6], 20, PositionNoise(0))
+        return eng.sizes, max(tree.depths)
+
+    def torn():  # after any token t, t+1 and t+5 equally likely
+        rows = np.zeros((V, V), np.float32)
+        rows[np.arange(V), (np.arange(V) + 1) % V] = rows[np.arange(V), (np.arange(V) + 5) % V] = 8
+        return _PassSizes(table=np.broadcast_to(rows, (V, V, V)))
+
+    sized = lambda n: float(draft(n))  # noqa: E731
+    assert grow(_PassSizes.cycle(sharp=12.0), sized) == ([1] * 11, 12)
+    assert grow(_PassSizes.cycle(sharp=12.0), float(draft(4))) == ([4] * 4, 5)
+    assert grow(torn(), sized) == ([2], 2)
+    assert grow(torn(), float(draft(4))) == ([4], 2)
+
+
 # -- cascade -----------------------------------------------------------------------------------------
 
 

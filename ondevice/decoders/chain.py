@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ondevice.decoders.base import DecoderBase, DecodeStats, Round, Step
+from ondevice.proposers.base import LONGEST_DRAFT
 from ondevice.rules.chooser import CustomRule, TokenChooser
 from ondevice.rules.engine import Engine, batch_invariant, prefill
 from ondevice.rules.sampling import SamplingParams, TokenLogprob
@@ -52,7 +53,7 @@ class DraftLength:
         fixed: int | None,
         start: int = 4,
         low: int = 2,
-        high: int = 12,
+        high: int = LONGEST_DRAFT,
         threshold: float = 0.3,
     ):
         self.fixed = fixed
@@ -134,7 +135,7 @@ class ChainDecoderBase(DecoderBase):
         seed: int | None = None,
         num_draft_tokens: int | None = None,
         rule: str | CustomRule | None = None,
-        k_max: int = 12,
+        k_max: int = LONGEST_DRAFT,
         cost_watch: CostWatch | None = None,
     ) -> None:
         if num_draft_tokens is not None and num_draft_tokens < 0:

@@ -39,6 +39,10 @@ from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.pass_costs import CostProfile, best_rate, best_size
 
+# the most tokens a draft model guesses ahead in one round: the chain's longest block and a
+# dynamic tree's deepest level (both stop sooner where the costs say it does not pay)
+LONGEST_DRAFT = 12
+
 
 class Unavailable(OndeviceError):
     """Raised by a proposer's builder when what the proposer needs is missing (no trained heads,

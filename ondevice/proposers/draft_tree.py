@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ondevice.proposers.base import (
+    LONGEST_DRAFT,
     BudgetFn,
     RateFn,
     Verification,
@@ -204,10 +205,13 @@ class DraftTreeProposer:
         probabilities along its path, calibrated per depth by the acceptance actually observed
         (a weak draft is overconfident). The verifier then sees the best `budget(values)` nodes
         (a node never scores above its parent, so the best N form a tree). Growth stops early
-        when no optimistic guess of the next levels (`_pays_to_grow`) would raise the round's
+        when no optimistic guess of the next levels (`_frontier_size`) would raise the round's
         tokens per second, `rate`(values, seconds of drafting so far) -> best tokens per second
         over the values, each level costing a draft pass of `expand_cost` seconds. Without
-        `rate` every level is grown.
+        `rate` every level is grown. Where `expand_cost` is a function of the number of nodes
+        a pass expands (a draft model's pass over 4 tokens costs more than over 1 on a CPU),
+        each level expands only as many of the frontier's best nodes as pay: where the draft
+        is sure, one, and the tree grows as deep as a chain.
     mode "static": the tree `shape` (rank paths, see tree.py) filled with the draft's ranked
         children, or with i.i.d. draft samples when `sampled` (SpecInfer).
     mode "path": a static shape of one path of length `budget`.
@@ -228,7 +232,7 @@ class DraftTreeProposer:
         budget: BudgetFn | int = 16,
         shape: Sequence[Sequence[int]] = CHAIN_4,
         sampled: bool = False,
-        expand_cost: float = 0.0,
+        expand_cost: float | Callable[[int], float] = 0.0,
         rate: RateFn | None = None,
         name: str = "tree",
     ):
@@ -248,7 +252,10 @@ class DraftTreeProposer:
         self.budget = fixed_budget(budget) if isinstance(budget, int) else budget
         self.shape = check_shape(shape)
         self.sampled = sampled and not self.params.greedy
-        self.expand_cost, self.rate = expand_cost, rate
+        # seconds of a draft pass expanding n nodes; a constant: every frontier node is expanded
+        self.expand_cost = expand_cost if callable(expand_cost) else (lambda n: expand_cost)
+        self._sized = callable(expand_cost)  # whether fewer nodes may cost less
+        self.rate = rate
         # how well the draft's probabilities predict acceptance, per depth (shared: see there)
         self.predicted, self.realised = self.state.calibration(depth + 2)
         self._cand: TokenTree | None = None
@@ -308,11 +315,12 @@ class DraftTreeProposer:
             if level == depth or not grown:
                 break
             frontier = sorted(grown, key=lambda n: -value[n])[: self.topk]
-            if self.rate is not None and not self._pays_to_grow(
-                cand, raw, value, frontier, depth - level, drafting
-            ):
-                break
-            drafting += self.expand_cost
+            if self.rate is not None:
+                size = self._frontier_size(cand, raw, value, frontier, depth - level, drafting)
+                if not size:
+                    break
+                frontier = frontier[:size]
+            drafting += self.expand_cost(len(frontier))
             for node, row in zip(frontier, self.state.expand(cand, frontier)):
                 dists[node] = self._dist(row, cand, node)
         vals = np.array(value[1:])
@@ -327,7 +335,7 @@ class DraftTreeProposer:
         self._depth_pred = pred
         return cand, kept, tree
 
-    def _pays_to_grow(
+    def _frontier_size(
         self,
         cand: TokenTree,
         raw: list[float],
@@ -335,23 +343,33 @@ class DraftTreeProposer:
         frontier: list[int],
         levels_left: int,
         drafting: float,
-    ) -> bool:
-        """Whether growing the tree further can raise the round's tokens per second.
+    ) -> int:
+        """How many of the frontier's best nodes the next level expands: the number whose guess
+        of the next levels raises the round's tokens per second most, 0 where none raises it
+        (the tree stops growing).
 
         It looks up to `levels_left` levels ahead, not one: on a CPU a verifier pass can cost
         much more at 3 tokens than at 2 and hardly more up to 8, so one more level may not pay
-        where several do. The guess is optimistic: below each frontier node a chain whose
-        acceptance falls per level as it fell from the node's parent to the node."""
+        where several do. The guess is optimistic: below each expanded node a chain whose
+        acceptance falls per level as it fell from the node's parent to the node. Where a
+        pass's cost depends on how many nodes it expands, the sizes are weighed against each
+        other: a confident draft's runner-up nodes are worth less than the larger pass costs
+        (the chain's depth then), an unsure draft's are worth it. Otherwise every frontier
+        node is expanded where any growth pays."""
         assert self.rate is not None
         now = np.array(value[1:])
-        best = self.rate(now, drafting)
+        best, size = self.rate(now, drafting), 0
         decay = [min(1.0, raw[n] / max(raw[cand.parents[n]], 1e-12)) for n in frontier]
-        guess: list[float] = []
-        for j in range(1, levels_left + 1):
-            guess += [value[n] * q**j for n, q in zip(frontier, decay)]
-            if self.rate(np.concatenate([now, guess]), drafting + j * self.expand_cost) > best:
-                return True
-        return False
+        for k in range(1, len(frontier) + 1) if self._sized else [len(frontier)]:
+            cost, guess = self.expand_cost(k), []
+            for j in range(1, levels_left + 1):
+                guess += [value[n] * q**j for n, q in zip(frontier[:k], decay[:k])]
+                rate = self.rate(np.concatenate([now, guess]), drafting + j * cost)
+                if rate > best:
+                    best, size = rate, k
+                    if not self._sized:
+                        return size
+        return size
 
     def _static(
         self,
@@ -416,29 +434,34 @@ class DraftTreeProposer:
 
 def build_tree(res: Resources, spec: Speculation) -> DraftTreeProposer:
     """The "tree" method: a dynamic tree of the draft's top-4 expansions, num_draft_tokens deep
-    (default 6), sized by the verifier's pass costs; or, with tree_mode "sampled", a static
-    tree of i.i.d. draft samples (a chain of that depth plus four side branches)."""
-    depth, topk = spec.num_draft_tokens or 6, 4
+    (default `LONGEST_DRAFT`: the costs stop it sooner), sized by the verifier's pass costs,
+    each level expanding as many nodes as pay for the draft's pass over them; or, with
+    tree_mode "sampled", a static tree of i.i.d. draft samples (a chain num_draft_tokens deep,
+    default 6, plus four side branches)."""
+    topk = 4
     if spec.tree_mode == "sampled":
+        depth = spec.num_draft_tokens or 6
         shape = [(0,) * d for d in range(1, depth + 1)] + [(1,), (2,), (0, 1), (1, 0)]
         return DraftTreeProposer(
             res.draft, res.vocab, res.chooser, mode="static", shape=shape, sampled=True
         )
     fixed = res.draft_pass(1)  # the draft catching up: once per round
     return DraftTreeProposer(
-        res.draft, res.vocab, res.chooser, mode="dynamic", depth=depth, topk=topk,
-        budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass(topk),
+        res.draft, res.vocab, res.chooser, mode="dynamic",
+        depth=spec.num_draft_tokens or LONGEST_DRAFT, topk=topk,
+        budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass,
         rate=cost_rate(res.verify_cost, fixed),
     )  # fmt: skip
 
 
 def build_greedy_path(res: Resources, spec: Speculation) -> DraftTreeProposer:
     """`auto`'s "greedy-path" candidate: a one-child-per-level tree (the draft's greedy path,
-    default 8 deep), as long as the cost profiles say its confidence pays (a strong draft agrees for many
-    tokens: this is what wins then)."""
+    at most `LONGEST_DRAFT` deep, as the chain), as long as the cost profiles say its
+    confidence pays (a strong draft agrees for many tokens: this is what wins then)."""
     fixed = res.draft_pass(1)
     return DraftTreeProposer(
-        res.draft, res.vocab, res.chooser, mode="dynamic", depth=spec.num_draft_tokens or 8,
+        res.draft, res.vocab, res.chooser, mode="dynamic",
+        depth=spec.num_draft_tokens or LONGEST_DRAFT,
         topk=1, budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass(1),
         rate=cost_rate(res.verify_cost, fixed), name="greedy-path",
     )  # fmt: skip
