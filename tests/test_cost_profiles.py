@@ -291,9 +291,8 @@ def test_auto_builds_every_registered_candidate_and_says_why_it_left_one_out(ver
 def test_auto_with_a_draft_keeps_its_candidates_and_adds_a_cached_self(verifier, tmp_path):
     draft = MLXEngine(load_model(tiny.write_model(tmp_path / "d", seed=4, layers=1)).model)
     _, names = _auto(verifier, draft)
-    # the draft's tree first (the likeliest to pay gets the first tries), then the others; no
-    # other shape of the same draft (its greedy path, the cascade) competes with the tree
-    assert names == ["plain", "tree", "pld"]
+    # the draft's candidates first (the likeliest to pay get the first tries), then the others
+    assert names == ["plain", "tree", "greedy-path", "cascade", "pld"]
     _cache_skip_set(verifier, 1.3)
     dec, with_self = _auto(verifier, draft)
     assert with_self == [*names, "self"]

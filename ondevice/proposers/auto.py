@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from ondevice.proposers import cascade
 from ondevice.proposers.base import NoProposal, Proposer, Unavailable, Verification, wants_hidden
-from ondevice.proposers.draft_tree import DraftState, build_tree
+from ondevice.proposers.draft_tree import DraftState, build_greedy_path, build_tree
 from ondevice.proposers.resources import Resources, Speculation
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
@@ -249,20 +250,17 @@ class AutoProposer:
 def build(res: Resources, spec: Speculation) -> AutoProposer:
     """The "auto" method: plain steps, every registered method that declares itself a candidate
     (`Method.in_auto`: pld, lookahead, self, ...) whose builder finds what it needs, and, with a
-    draft, the draft's tree; num_draft_tokens fixes each candidate's size. A candidate whose builder raises `Unavailable` is left out, with its
+    draft, the draft's greedy path, its tree and the cascade; num_draft_tokens fixes each
+    candidate's size. A candidate whose builder raises `Unavailable` is left out, with its
     reason in `left_out` (the decoder's stats show it as "auto_left_out")."""
     from ondevice.proposers.registry import METHODS
 
-    # the order tries are made in, the likeliest to pay first (tries are budgeted). The draft
-    # gives one candidate, its tree: the tree's own cost model sizes each level (one node where
-    # only the best pays, so the greedy path is a tree it builds itself), and other shapes of
-    # the same draft (its greedy path, the cascade's chain) made auto choose between two
-    # readings of the same guesses by a round or two of each, which chance decides: held-out
-    # roleplay went to the greedy path for 24 rounds at 2.06 tokens a pass where the tree makes
-    # 2.29 (docs/benchmarks.md, "Issues 26 and 30, session 15")
+    # the order tries are made in, the likeliest to pay first (tries are budgeted): the draft's
+    # tree before its greedy path, which is the tree's first branch and pays only where the
+    # tree's other branches cost more than they find
     cands: list[Proposer] = [NoProposal()]
     if res.draft is not None:
-        cands.append(build_tree(res, spec))
+        cands += [build_tree(res, spec), build_greedy_path(res, spec), cascade.build(res, spec)]
     left_out: dict[str, str] = {}
     as_candidate = replace(spec, method="auto")  # builders: use only what is cached
     for m in METHODS.values():

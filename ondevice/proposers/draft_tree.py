@@ -452,3 +452,16 @@ def build_tree(res: Resources, spec: Speculation) -> DraftTreeProposer:
         budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass,
         rate=cost_rate(res.verify_cost, fixed),
     )  # fmt: skip
+
+
+def build_greedy_path(res: Resources, spec: Speculation) -> DraftTreeProposer:
+    """`auto`'s "greedy-path" candidate: a one-child-per-level tree (the draft's greedy path,
+    at most `LONGEST_DRAFT` deep, as the chain), as long as the cost profiles say its
+    confidence pays (a strong draft agrees for many tokens: this is what wins then)."""
+    fixed = res.draft_pass(1)
+    return DraftTreeProposer(
+        res.draft, res.vocab, res.chooser, mode="dynamic",
+        depth=spec.num_draft_tokens or LONGEST_DRAFT,
+        topk=1, budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass(1),
+        rate=cost_rate(res.verify_cost, fixed), name="greedy-path",
+    )  # fmt: skip
