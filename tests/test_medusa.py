@@ -448,6 +448,7 @@ def test_in_auto_the_sequential_heads_work_counts_in_their_rounds(verifier, tmp_
     res = replace(res, verify_cost=CostProfile([1, 16], [1.0, 1.0]))
     picker = auto.build(res, Speculation(method="auto"))
     (hydra,) = [p for p in picker.proposers if isinstance(p, HydraProposer)]
+    picker.reset([1, 2])  # a generation starts: auto collects its candidates' drafts
     assert [type(d) for d in picker.drafts] == [HeadsDraft]
     assert hydra.heads_draft.level_cost > 0
     before = picker._draft_work()

@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ondevice.proposers import cascade
 from ondevice.proposers.base import NoProposal, Proposer, Unavailable, Verification, wants_hidden
-from ondevice.proposers.draft_tree import DraftState, build_greedy_path, build_tree
+from ondevice.proposers.draft_tree import DraftState, build_tree
 from ondevice.proposers.resources import Resources, Speculation
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
@@ -20,6 +19,8 @@ TIE = 1e-9  # relative: scores this close count as equal (rounding in the averag
 # candidate's first 32 rounds, then about its last 32, most of an answer or two, not the last
 # few rounds of the last answer
 LONG_RUN = 1 / 32
+# the weight of a candidate's own expectation against its first round's tokens (one round each)
+FIRST_ROUND_PRIOR = 0.5
 
 
 class AutoProposer:
@@ -65,6 +66,13 @@ class AutoProposer:
     tree that found nothing in its first round had lost more than the tries' budget, and plain
     steps took the other 95 rounds of a 96-token answer (0.77x plain, where the tree alone made
     1.03x: Spec-Bench humanities 156, docs/benchmarks.md, "Issue 26, session 9").
+
+    With nothing remembered, a candidate's first round is weighed against what the candidate
+    expected of it, where it says (`expected`: a draft's tree sums its nodes' calibrated
+    acceptance estimates), the two counting as one round each (`FIRST_ROUND_PRIOR`): in a
+    fresh process the tree's first round found nothing and, judged by that round alone,
+    never came back (the demo at 1.24x plain: docs/benchmarks.md, "Issue 26, session 15").
+    An expectation that is wrong fades as the candidate's rounds come (by `decay`).
 
     Re-checks go to the most promising due candidate first (the least expected loss, see
     `_expected_loss`; then the least recently tried): the tries' budget is spent where a win is
@@ -134,6 +142,11 @@ class AutoProposer:
         self._reset_scores()
         for i, p in enumerate(self.proposers):
             p.reset(prompt)
+            # a draft whose work a round costs (a draft model's, Medusa's sequential heads', the
+            # layer-skipped view `self` builds at its first reset)
+            state = getattr(p, "state", None)
+            if hasattr(state, "switch_work") and all(state is not d for d in self.drafts):
+                self.drafts.append(state)
             if self.memory and p.name in self.memory and not self.known[i]:
                 self.tokens[i], self.seconds[i], rounds = self.memory[p.name]
                 # as if tried just now, as often as the memory holds rounds
@@ -226,6 +239,11 @@ class AutoProposer:
             # an average over rounds, not over tries: what a re-check finds outweighs a score
             # last updated many rounds ago (the text may have changed since)
             a = self.decay ** (self.round + 1 - self.last_tried[i]) if self.tried[i] else 0.0
+            expected = getattr(self.proposers[i], "expected", None)
+            if not self.tried[i] and expected is not None:
+                # a first round, with nothing remembered, counts as much as what the candidate
+                # expected of it (see the class): one round's luck does not decide alone
+                self.tokens[i], self.seconds[i], a = expected, secs, FIRST_ROUND_PRIOR
             self.tokens[i] = a * self.tokens[i] + (1 - a) * (len(path) + 1)
             self.seconds[i] = a * self.seconds[i] + (1 - a) * secs
             if self.memory is not None:
@@ -250,17 +268,18 @@ class AutoProposer:
 def build(res: Resources, spec: Speculation) -> AutoProposer:
     """The "auto" method: plain steps, every registered method that declares itself a candidate
     (`Method.in_auto`: pld, lookahead, self, ...) whose builder finds what it needs, and, with a
-    draft, the draft's greedy path, its tree and the cascade; num_draft_tokens fixes each
-    candidate's size. A candidate whose builder raises `Unavailable` is left out, with its
+    draft, the draft's tree; num_draft_tokens fixes each candidate's size. A candidate whose builder raises `Unavailable` is left out, with its
     reason in `left_out` (the decoder's stats show it as "auto_left_out")."""
     from ondevice.proposers.registry import METHODS
 
-    # the order tries are made in, the likeliest to pay first (tries are budgeted): the draft's
-    # tree before its greedy path, which is the tree's first branch and pays only where the
-    # tree's other branches cost more than they find
+    # the order tries are made in, the likeliest to pay first (tries are budgeted). The draft
+    # gives one candidate, its tree: its levels are sized by cost (one node a level where only
+    # the best pays), so the greedy path and the cascade's chain are readings of the same
+    # guesses that auto told apart by a round or two each, which chance decided
+    # (docs/benchmarks.md, "Issue 26, session 16")
     cands: list[Proposer] = [NoProposal()]
     if res.draft is not None:
-        cands += [build_tree(res, spec), build_greedy_path(res, spec), cascade.build(res, spec)]
+        cands.append(build_tree(res, spec))
     left_out: dict[str, str] = {}
     as_candidate = replace(spec, method="auto")  # builders: use only what is cached
     for m in METHODS.values():
@@ -272,9 +291,4 @@ def build(res: Resources, spec: Speculation) -> AutoProposer:
             left_out[m.name] = str(e)
     # unprofiled: every pass costs the same
     vcost = res.verify_cost if res.verify_cost is not None else CostProfile([1], [1.0])
-    drafts = [res.draft] if res.draft is not None else []
-    for c in cands:  # other drafts whose work a round costs (Medusa's sequential heads)
-        state = getattr(c, "state", None)
-        if hasattr(state, "switch_work") and all(state is not d for d in drafts):
-            drafts.append(state)
-    return AutoProposer(cands, vcost, drafts, left_out=left_out, memory=res.calibrations.rates)
+    return AutoProposer(cands, vcost, left_out=left_out, memory=res.calibrations.rates)

@@ -261,6 +261,10 @@ class DraftTreeProposer:
         self._cand: TokenTree | None = None
         self._kept: list[int] = []
         self._depth_pred: np.ndarray | None = None
+        # the tokens the last proposed round is expected to give by the calibrated values (one
+        # plus the summed acceptance estimates of the tree's nodes); None: no estimate (static
+        # and path modes)
+        self.expected: float | None = None
 
     def reset(self, prompt: Sequence[int]) -> None:
         self.state.reset(prompt)
@@ -277,7 +281,7 @@ class DraftTreeProposer:
     def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
         root_logits = self.state.sync(seq)
         self._seq = seq
-        self._depth_pred = None
+        self._depth_pred, self.expected = None, None
         if self.mode == "dynamic":
             cand, kept, tree = self._dynamic(seq[-1], root_logits, max_depth)
         else:
@@ -329,6 +333,7 @@ class DraftTreeProposer:
         # a plain step (confident rounds still speculate, so the calibration keeps learning)
         n = max(0, min(int(self.budget(vals[order - 1])), len(order)))
         tree, kept = cand.subtree(order[:n].tolist())
+        self.expected = 1.0 + float(vals[order[:n] - 1].sum())
         pred = np.zeros(len(self.predicted))
         for node in kept[1:]:
             pred[min(cand.depths[node], len(pred) - 1)] += raw[node]
@@ -451,17 +456,4 @@ def build_tree(res: Resources, spec: Speculation) -> DraftTreeProposer:
         depth=spec.num_draft_tokens or LONGEST_DRAFT, topk=topk,
         budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass,
         rate=cost_rate(res.verify_cost, fixed),
-    )  # fmt: skip
-
-
-def build_greedy_path(res: Resources, spec: Speculation) -> DraftTreeProposer:
-    """`auto`'s "greedy-path" candidate: a one-child-per-level tree (the draft's greedy path,
-    at most `LONGEST_DRAFT` deep, as the chain), as long as the cost profiles say its
-    confidence pays (a strong draft agrees for many tokens: this is what wins then)."""
-    fixed = res.draft_pass(1)
-    return DraftTreeProposer(
-        res.draft, res.vocab, res.chooser, mode="dynamic",
-        depth=spec.num_draft_tokens or LONGEST_DRAFT,
-        topk=1, budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass(1),
-        rate=cost_rate(res.verify_cost, fixed), name="greedy-path",
     )  # fmt: skip

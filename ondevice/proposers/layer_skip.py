@@ -389,6 +389,16 @@ class SelfDraftProposer:
             rate=cost_rate(self.verify, fixed), name="self",
         )  # fmt: skip
 
+    @property
+    def state(self) -> DraftState | None:
+        """The layer-skipped view's cache and work (None before the first `reset`)."""
+        return self.draft.state if self.draft is not None else None
+
+    @property
+    def expected(self) -> float | None:
+        """See `DraftTreeProposer.expected`."""
+        return self.draft.expected if self.draft is not None else None
+
     def reset(self, prompt: Sequence[int]) -> None:
         if self.draft is None:
             self.draft = self._build(prompt)

@@ -512,6 +512,7 @@ class HydraProposer(DraftTreeProposer):
         if self.heads_draft.hidden is None or max_depth < 1:
             tree = TokenTree.root(seq[-1])
             self._cand, self._depth_pred = None, None  # no heads' tree to calibrate
+            self.expected = None
         else:
             tree = self._proposed = super().propose(seq, max_depth, noise)
         if self.lookup is not None:

@@ -79,7 +79,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "model (heads shipped for the default verifier, or from `ondevice distill --heads`)",
            "the tree's depth (at most the number of heads)",
            proposer="ondevice.proposers.medusa:build", in_auto=True),
-    Method("auto", "picks per round among plain steps, the draft's greedy path, tree and cascade "
+    Method("auto", "picks per round among plain steps, the draft's tree "
            "and the one-model methods (pld, lookahead, self with a cached skip set, medusa with "
            "trained heads) by measured acceptance and pass costs",
            "each candidate's size", uses_draft=True, proposer="ondevice.proposers.auto:build"),
