@@ -268,8 +268,9 @@ class AutoProposer:
 def build(res: Resources, spec: Speculation) -> AutoProposer:
     """The "auto" method: plain steps, every registered method that declares itself a candidate
     (`Method.in_auto`: pld, lookahead, self, ...) whose builder finds what it needs, and, with a
-    draft, the draft's tree; num_draft_tokens fixes each candidate's size. A candidate whose builder raises `Unavailable` is left out, with its
-    reason in `left_out` (the decoder's stats show it as "auto_left_out")."""
+    draft, the draft's tree; num_draft_tokens fixes each candidate's size. A candidate whose
+    builder raises `Unavailable` is left out, with its reason in `left_out` (the decoder's stats
+    show it as "auto_left_out")."""
     from ondevice.proposers.registry import METHODS
 
     # the order tries are made in, the likeliest to pay first (tries are budgeted). The draft
