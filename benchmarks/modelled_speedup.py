@@ -66,7 +66,8 @@ class Rounds:
             if self.trace:
                 chosen = p.proposers[p._current] if hasattr(p, "proposers") else p
                 scores = [round(p.score(i), 2) for i in range(len(getattr(p, "proposers", [])))]
-                expected = getattr(chosen, "expected", None)
+                # (a round with no room for a guess proposes nothing: no expectation)
+                expected = getattr(chosen, "expected", None) if room > 1 else None
                 print(
                     f"  {len(self.log):3d} {name:12s} size {out.drafted + 1:3d} "
                     f"got {len(out.tokens):2d} expected "
