@@ -34,13 +34,12 @@ from ondevice.speedtest.prompts import read_prompts, select
 
 
 def _drafts(proposer: Any) -> list[Any]:
-    """The draft states whose work a round of `proposer` costs (auto: every candidate's)."""
-    found: list[Any] = []
-    for p in [proposer, *getattr(proposer, "proposers", [])]:
-        for state in [*getattr(p, "drafts", []), getattr(p, "state", None)]:
-            if hasattr(state, "switch_work") and all(state is not s for s in found):
-                found.append(state)
-    return found
+    """The draft states whose work a round of `proposer` costs: auto's own list (collected at
+    its reset), else the proposer's draft."""
+    if hasattr(proposer, "drafts"):
+        return list(proposer.drafts)
+    state = getattr(proposer, "state", None)
+    return [state] if hasattr(state, "switch_work") else []
 
 
 def _work(proposer: Any) -> float:
