@@ -2,7 +2,7 @@
 
     python benchmarks/modelled_speedup.py MODEL [--draft D] --prompts spec_bench_dev.jsonl \
         [--per-category 1] [--categories coding,math] [--max-tokens 64] [--methods tree,auto] \
-        [--trace] [--out modelled.json]
+        [--warm-up] [--trace] [--out modelled.json]
 
 Each round of a tree decoder (tree, auto, medusa, self, pld, lookahead) is charged what `auto`
 itself estimates: the verifier's profiled pass over the round's tree plus the draft work the
@@ -13,8 +13,9 @@ and compare two versions of the code where a timed benchmark cannot. What they l
 what the profiles do not see (Python overhead, a pass slower than its profile).
 
 Prompts are encoded as `ondevice bench` encodes them; methods run in turn per prompt in one
-process, as there, but without its warm-up, so auto starts the first prompt with nothing
-remembered (a fresh process, as the demo's). `--trace` prints every round: the proposer, the
+process, as there; without its warm-up, so auto starts the first prompt with nothing remembered
+(a fresh process, as the demo's), unless `--warm-up` runs it as the bench does (every method a
+few tokens on the first prompt, not counted; what auto remembers of it stays). `--trace` prints every round: the proposer, the
 tree's size, the tokens it gave, what it expected (`expected`, where it says) and auto's scores.
 """
 
@@ -31,6 +32,7 @@ from ondevice.decoders.tree import TreeDecoder
 from ondevice.runtime.engines import tree_engine
 from ondevice.runtime.pass_costs import CostProfile, load_profile
 from ondevice.speedtest.prompts import read_prompts, select
+from ondevice.speedtest.runner import WARMUP_TOKENS
 
 
 def _drafts(proposer: Any) -> list[Any]:
@@ -90,6 +92,7 @@ def main() -> None:
     ap.add_argument("--categories", default=None, help="comma-separated (default: all)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--methods", default="tree,auto", help="tree decoder methods, in run order")
+    ap.add_argument("--warm-up", action="store_true", help="warm up as `ondevice bench` does")
     ap.add_argument("--trace", action="store_true", help="print every round")
     ap.add_argument("--out", type=Path, default=None, help="write per-prompt results (JSON)")
     args = ap.parse_args()
@@ -105,6 +108,11 @@ def main() -> None:
     one = float(verify(1))
     print(f"verifier pass: {[round(float(verify(n)), 3) for n in (1, 2, 4, 8, 16)]} s")
     results: dict[str, dict[str, Any]] = {m: {} for m in methods}
+    if args.warm_up and prompts:
+        ids = gen.encode_prompt(prompts[0].text)
+        for m in methods:
+            gen.generate(ids, max_tokens=WARMUP_TOKENS, method=m, chat_template=False)
+        rounds.log.clear()
     for p in prompts:
         ids = gen.encode_prompt(p.text)
         for m in methods:

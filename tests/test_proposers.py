@@ -525,6 +525,49 @@ def test_auto_does_not_let_a_candidates_first_rounds_outweigh_its_later_ones():
     assert rounds == unlucky.calls + good.calls and toks / secs > 1.5  # 4 tokens per 2.2 s
 
 
+class _LuckyOnce(_Fixed):
+    """Heads that give 2 tokens a round (1 of 6 right), except on their `lucky`-th call, where
+    all 6 are right."""
+
+    def __init__(self, name, lucky):
+        super().__init__(name, 6, 1)
+        self.lucky = lucky
+
+    def propose(self, seq, max_depth, noise):
+        self.good = 6 if self.calls + 1 == self.lucky else 1
+        return super().propose(seq, max_depth, noise)
+
+
+def test_auto_weighs_a_re_check_against_the_candidates_record():
+    """A losing candidate's re-check is one round: it counts as one of two beside what the
+    candidate did before, not in its place. Judged by it alone, one lucky round of the heads
+    (7 tokens where they give 2) outscored the tree, and the heads took the next rounds at
+    half the tree's rate until their average fell back (Spec-Bench math 116: 8 rounds of the
+    heads, 9% slower than the tree alone; docs/benchmarks.md, "Issue 26, session 17")."""
+    cost = CostProfile([1, 8, 16], [1.0, 1.1, 1.3])  # flat: 4 tokens a round of the tree
+    tree = _Fixed("tree", 6, 3)
+    heads = _LuckyOnce("medusa", 3)  # two explorations, then the lucky re-check
+    auto = AutoProposer([tree, heads], cost, explore=2, period=10, explore_share=np.inf)
+    auto.reset([1])
+    picks = []
+    for _ in range(60):
+        _drive(auto, 1)
+        picks.append(auto.last_name)
+    lucky = [r for r, name in enumerate(picks) if name == "medusa"][2]
+    after = picks[lucky + 1 : lucky + 10]
+    assert after.count("medusa") <= 1  # judged alone, the lucky round bought four more
+    # where earlier answers left a record, the re-check is weighed against that record
+    memory = {"medusa": (2.0, float(cost(7)), 30)}
+    heads = _LuckyOnce("medusa", 1)
+    auto = AutoProposer([tree, heads], cost, explore=2, period=10, memory=memory)
+    auto.reset([1])
+    auto.tried[1], auto.last_tried[1], auto.round = 2, 0, 40  # a loser, long due
+    auto._current, auto._best = 1, 0
+    t = heads.propose([1], 10, PositionNoise(0))
+    auto.observe([1], t, Verification(t.path(6), 0, np.zeros(len(t), int)))
+    assert auto.tokens[1] == pytest.approx((2.0 + 7.0) / 2)
+
+
 def test_auto_re_checks_the_most_promising_candidate_first():
     """Two losers as earlier answers left them (both due for a re-check at once), one whose
     rounds cost little more than a plain step (heads with a small tree) and one that costs

@@ -21,6 +21,9 @@ TIE = 1e-9  # relative: scores this close count as equal (rounding in the averag
 LONG_RUN = 1 / 32
 # the weight of a candidate's own expectation against its first round's tokens (one round each)
 FIRST_ROUND_PRIOR = 0.5
+# the least weight of what a losing candidate did before (its long-run record where remembered)
+# against the one round a re-check gives it
+RECHECK_PRIOR = 0.5
 
 
 class AutoProposer:
@@ -73,6 +76,14 @@ class AutoProposer:
     fresh process the tree's first round found nothing and, judged by that round alone,
     never came back (the demo at 1.24x plain: docs/benchmarks.md, "Issue 26, session 15").
     An expectation that is wrong fades as the candidate's rounds come (by `decay`).
+
+    A re-check is one round, and it counts as one of two beside what the candidate did before
+    (`RECHECK_PRIOR`: its long-run record where earlier answers left one, else its score when
+    it lost), not in its place. Judged by that round alone, one lucky round of Medusa's heads (5 tokens where they
+    expected 2.1) outscored the tree, and the heads took the next eight rounds at 9 tokens a
+    second where the tree had averaged 13 (Spec-Bench math 116, 9% below the tree alone:
+    docs/benchmarks.md, "Issue 26, session 17"). A candidate whose text has truly changed (a
+    passage to copy) wins its re-check by far more than noise and is taken up at once.
 
     Re-checks go to the most promising due candidate first (the least expected loss, see
     `_expected_loss`; then the least recently tried): the tries' budget is spent where a win is
@@ -236,18 +247,25 @@ class AutoProposer:
             # fund more tries: against a fast best, every try of another is a loss)
             self.lost += max(secs - (len(path) + 1) / self._ref, 0.0)
         if not self.known[i]:
-            # an average over rounds, not over tries: what a re-check finds outweighs a score
-            # last updated many rounds ago (the text may have changed since)
+            # an average over rounds, not over tries (a score last updated many rounds ago
+            # fades: the text may have changed since), but a re-check's one round counts no
+            # more than the candidate's record (below)
             a = self.decay ** (self.round + 1 - self.last_tried[i]) if self.tried[i] else 0.0
             expected = getattr(self.proposers[i], "expected", None)
+            name = self.proposers[i].name
             if not self.tried[i] and expected is not None:
                 # a first round, with nothing remembered, counts as much as what the candidate
                 # expected of it (see the class): one round's luck does not decide alone
                 self.tokens[i], self.seconds[i], a = expected, secs, FIRST_ROUND_PRIOR
+            elif self.tried[i] >= self.explore and i != self._best:
+                # a re-check: its one round weighed against the candidate's record, not in its
+                # place (see the class)
+                if self.memory and name in self.memory:
+                    self.tokens[i], self.seconds[i], _ = self.memory[name]
+                a = max(a, RECHECK_PRIOR)
             self.tokens[i] = a * self.tokens[i] + (1 - a) * (len(path) + 1)
             self.seconds[i] = a * self.seconds[i] + (1 - a) * secs
             if self.memory is not None:
-                name = self.proposers[i].name
                 toks, took, rounds = self.memory.get(name, (0.0, 0.0, 0))
                 b = max(1 / (rounds + 1), LONG_RUN)
                 self.memory[name] = (
