@@ -15,8 +15,9 @@ what the profiles do not see (Python overhead, a pass slower than its profile).
 Prompts are encoded as `ondevice bench` encodes them; methods run in turn per prompt in one
 process, as there; without its warm-up, so auto starts the first prompt with nothing remembered
 (a fresh process, as the demo's), unless `--warm-up` runs it as the bench does (every method a
-few tokens on the first prompt, not counted; what auto remembers of it stays). `--trace` prints every round: the proposer, the
-tree's size, the tokens it gave, what it expected (`expected`, where it says) and auto's scores.
+few tokens on the first prompt, not counted; what auto remembers of it stays). `--trace`
+prints every round: the proposer, the tree's size, the tokens it gave, what it expected
+(`expected`, where it says) and auto's scores.
 """
 
 from __future__ import annotations  # noqa: I001  (ondevice first: it opens the BLAS)

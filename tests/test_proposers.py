@@ -542,8 +542,8 @@ def test_auto_weighs_a_re_check_against_the_candidates_record():
     """A losing candidate's re-check is one round: it counts as one of two beside what the
     candidate did before, not in its place. Judged by it alone, one lucky round of the heads
     (7 tokens where they give 2) outscored the tree, and the heads took the next rounds at
-    half the tree's rate until their average fell back (Spec-Bench math 116: 8 rounds of the
-    heads, 9% slower than the tree alone; docs/benchmarks.md, "Issue 26, session 17")."""
+    half the tree's rate until their average fell back (Spec-Bench math 116: eight rounds of the
+    heads, 10% below the tree alone; docs/benchmarks.md, "Issue 26, session 17")."""
     cost = CostProfile([1, 8, 16], [1.0, 1.1, 1.3])  # flat: 4 tokens a round of the tree
     tree = _Fixed("tree", 6, 3)
     heads = _LuckyOnce("medusa", 3)  # two explorations, then the lucky re-check

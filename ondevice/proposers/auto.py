@@ -79,11 +79,12 @@ class AutoProposer:
 
     A re-check is one round, and it counts as one of two beside what the candidate did before
     (`RECHECK_PRIOR`: its long-run record where earlier answers left one, else its score when
-    it lost), not in its place. Judged by that round alone, one lucky round of Medusa's heads (5 tokens where they
-    expected 2.1) outscored the tree, and the heads took the next eight rounds at 9 tokens a
-    second where the tree had averaged 13 (Spec-Bench math 116, 9% below the tree alone:
-    docs/benchmarks.md, "Issue 26, session 17"). A candidate whose text has truly changed (a
-    passage to copy) wins its re-check by far more than noise and is taken up at once.
+    it lost), not in its place. Judged by that round alone, one lucky round of Medusa's heads
+    (5 tokens where they expected 2.1) outscored the tree, and the heads took the next seven
+    rounds at 9.5 tokens a second where the tree had averaged 13 (Spec-Bench math 116, 10%
+    below the tree alone: docs/benchmarks.md, "Issue 26, session 17"). A candidate whose text
+    has truly changed (a passage to copy) wins its re-check by far more than noise and is
+    taken up at once.
 
     Re-checks go to the most promising due candidate first (the least expected loss, see
     `_expected_loss`; then the least recently tried): the tries' budget is spent where a win is
