@@ -113,7 +113,6 @@ def main() -> None:
         ids = gen.encode_prompt(prompts[0].text)
         for m in methods:
             gen.generate(ids, max_tokens=WARMUP_TOKENS, method=m, chat_template=False)
-        rounds.log.clear()
     for p in prompts:
         ids = gen.encode_prompt(p.text)
         for m in methods:

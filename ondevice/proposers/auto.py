@@ -242,6 +242,7 @@ class AutoProposer:
             if j != i and wants_hidden(p):  # drafts from the latest, whoever proposed
                 p.observe(seq, tree, verdict)
         path = verdict.path
+        recheck = self.tried[i] >= self.explore and i != self._best  # a loser's one round
         secs = float(self.verify_cost(len(tree))) + self._draft_work() - self._work
         self.committed += len(path) + 1
         if self._ref > 0:  # a try: what it lost against the best known rate (a gain does not
@@ -258,7 +259,7 @@ class AutoProposer:
                 # a first round, with nothing remembered, counts as much as what the candidate
                 # expected of it (see the class): one round's luck does not decide alone
                 self.tokens[i], self.seconds[i], a = expected, secs, FIRST_ROUND_PRIOR
-            elif self.tried[i] >= self.explore and i != self._best:
+            elif recheck:
                 # a re-check: its one round weighed against the candidate's record, not in its
                 # place (see the class)
                 if self.memory and name in self.memory:
@@ -274,7 +275,7 @@ class AutoProposer:
                     (1 - b) * took + b * secs,
                     rounds + 1,
                 )
-        if self.tried[i] >= self.explore and i != self._best:  # a re-check: did it win?
+        if recheck:  # did it win?
             won = self.score(i) > self.score(self._best)
             self.wait[i] = (
                 self.period if won else min(2 * self.wait[i], self.period * self.max_backoff)
