@@ -24,6 +24,7 @@ from ondevice.decoders.chain import ChainDecoder
 from ondevice.models import load_model, transformer, weights
 from ondevice.models.config import ModelConfig
 from ondevice.models.weights import save_model
+from ondevice.rules.engine import prefill
 from ondevice.rules.sampling import SamplingParams
 from ondevice.runtime import blas, kernel
 from ondevice.runtime.engines import MLXEngine, MLXTreeEngine
@@ -96,8 +97,11 @@ def _int8_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def _named(kind):
-    """A served model's kernel as profiles name it (`kernel.products`)."""
-    return f"onednn-{kind} x{kernel.default_threads()} r{kernel.REVISION}"
+    """A served model's kernel as profiles name it (`kernel.products`): a bf16 model's
+    decoding passes where they take other instructions than its prompts'."""
+    apart = kind.startswith("bf16") and kernel.decode_impl()
+    decode = f" decode-{kernel.decode_impl()}" if apart else ""
+    return f"onednn-{kind} x{kernel.default_threads()} r{kernel.REVISION}{decode}"
 
 
 def _served(path, kind):
@@ -146,6 +150,64 @@ def test_a_rows_logits_do_not_depend_on_the_pass_size(
             ref = logits
         else:
             assert np.array_equal(logits, ref), (arch, sizes)
+
+
+@pytest.mark.skipif("bf16" not in KINDS, reason="no bf16 dot products on this CPU")
+def test_prompts_and_decoding_passes_each_take_their_own_implementation(tmp_path, monkeypatch):
+    """Where decoding passes ask for another implementation than prompts (`decode_impl` with
+    ONDEVICE_KERNEL_DECODE=avx512: on a CPU with AMX, AVX512-BF16's; elsewhere oneDNN's first
+    choice, named, which runs the same bookkeeping), every product of a decoding pass runs it and every product inside `prefill`
+    oneDNN's first choice; each is batch-invariant on its own (a prompt split anywhere gives
+    the same cache, a decoding pass any size the same rows), and the engine counts only a
+    prompt pass's rows as reusable by a later prompt (the prompt cache)."""
+    monkeypatch.setenv(kernel.DECODE_ENV, "avx512")
+    path = tiny.write_model(tmp_path / "m", tie=True, scale=1.5)
+    model = _served(path, "bf16")
+    first = kernel._dnnl.plan(64, 64, kernel._BF16, False, 1, packed=True).impl
+    impl = kernel.decode_impl() or first
+    for _, m in model.named_modules():
+        if isinstance(m, kernel.KernelLinear):
+            assert m.decode_impl == kernel.decode_impl()  # what `serve` asked for
+            m.decode_impl = impl
+    assert kernel.prompts_apart(model) and impl in kernel.products(model)
+    engine = MLXEngine(model)
+    assert engine.prompts_apart
+    tree = MLXTreeEngine(engine)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(5, 90, 40)]
+    toks = [int(t) for t in np.random.default_rng(2).integers(5, 90, 20)]
+
+    def keys(e: MLXEngine) -> np.ndarray:
+        return np.concatenate([np.array(k) for k, _ in e.cache.prefix(e.length)])
+
+    kernel._dnnl._local.plans.clear()
+    prefill(engine, prompt)
+    prompt_plans = list(kernel._dnnl._local.plans.values())
+    assert prompt_plans and all(p.key[-1] is None for p in prompt_plans)  # oneDNN's choice
+    if impl != first:
+        assert impl not in {p.impl for p in prompt_plans}
+    assert engine.reusable == len(prompt)
+    whole = keys(engine)
+    engine.reset()
+    prefill(engine, prompt[:13])
+    prefill(engine, prompt, resume=True)  # split elsewhere: the same rows
+    assert np.array_equal(keys(engine), whole) and engine.reusable == len(prompt)
+
+    kernel._dnnl._local.plans.clear()
+    rows = np.stack([engine.feed([t])[-1] for t in toks])
+    assert {(p.key[-1], p.impl) for p in kernel._dnnl._local.plans.values()} == {(impl, impl)}
+    assert engine.length == len(prompt) + len(toks) and engine.reusable == len(prompt)
+    engine.trim(len(toks))
+    assert np.array_equal(engine.feed(toks), rows)  # 20 rows: in chunks of ROWS, the same
+    engine.trim(len(toks) + 5)
+    assert engine.reusable == len(prompt) - 5  # a trim below the prompt's rows shortens them
+    prefill(engine, prompt, resume=True)
+    assert engine.reusable == len(prompt) and np.array_equal(keys(engine), whole)
+    n = 3
+    tree.feed_masked(toks[:n], range(len(prompt), len(prompt) + n), np.tri(n, dtype=bool))
+    tree.keep(n + 2, [0, 1])  # a kept path reaching into the prompt's rows cuts them there
+    assert engine.reusable == len(prompt) - 2
+    engine.reset()
+    assert engine.reusable == 0
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -490,6 +552,13 @@ def test_bad_choices_are_named(monkeypatch):
         kernel.default_threads()
     monkeypatch.setenv(kernel.THREADS_ENV, "2")
     assert kernel.default_threads() == 2
+    monkeypatch.setenv(kernel.DECODE_ENV, "amx-please")
+    with pytest.raises(ValueError, match="ONDEVICE_KERNEL_DECODE='amx-please'"):
+        kernel.decode_impl()
+    monkeypatch.setenv(kernel.DECODE_ENV, "prompt")
+    assert kernel.decode_impl() is None
+    monkeypatch.delenv(kernel.DECODE_ENV)
+    assert kernel.decode_impl() is None  # the default: every pass as prompts
 
 
 @pytest.mark.parametrize("served", [True, False])
@@ -520,6 +589,11 @@ def test_doctor_names_the_kernel(monkeypatch):
     from ondevice.apps import doctor
 
     monkeypatch.delenv(kernel.ENV, raising=False)  # the default serves where it can
+    monkeypatch.setenv(kernel.DECODE_ENV, "avx512")
+    if "bf16" in KINDS and kernel.decode_impl():  # a CPU with AMX: decoding asked elsewhere
+        apart = " (decoding on AVX512-BF16, prompts on AMX)"
+        assert "serves the verifier" + apart in doctor.render(doctor.collect())
+    monkeypatch.delenv(kernel.DECODE_ENV)
     line = "kernel      oneDNN bf16 weights, bf16 dot products, serves the verifier"
     if "bf16" not in KINDS:
         line = "kernel      oneDNN f32 weights, float32, serves the verifier"

@@ -130,6 +130,51 @@ def test_a_hit_inside_the_previous_answer_changes_no_token(gen, uncached, decode
     assert gen.prompt_cache_stats()["hits"] >= 1
 
 
+@pytest.fixture(scope="module")
+def apart(models) -> Iterator[tuple[Generator, Generator]]:
+    """The pair (cached, uncached) with decoding passes computed apart from prompts
+    (runtime/kernel.py, "Prompts apart"): AVX512-BF16 against AMX on a CPU with both; elsewhere
+    oneDNN's first choice named for decoding, which runs the same bookkeeping."""
+    if not kernel.available() or kernel.choice() != "bf16":
+        pytest.skip("no bf16 kernel here")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(kernel.DECODE_ENV, "avx512")
+        if kernel.decode_impl() is None:
+            first = kernel._dnnl.plan(64, 64, kernel._BF16, False, 1, packed=True).impl
+            mp.setattr(kernel, "decode_impl", lambda: first)
+        pair = tuple(
+            ondevice.load(models["verifier"], models["draft"], draft_backend="mlx", **kw)
+            for kw in ({}, {"prompt_cache_bytes": 0})
+        )
+    assert all(g.verifier.prompts_apart for g in pair)  # type: ignore[attr-defined]
+    yield pair  # type: ignore[misc]
+    for g in pair:
+        g.close()
+
+
+@pytest.mark.parametrize(
+    ("decoder", "sampling"),
+    [(d, GREEDY) for d in ("plain", "chain", "tree", "auto")] + [("chain", SAMPLED)],
+    ids=["plain", "chain", "tree", "auto", "chain-seeded"],
+)
+def test_decoded_rows_computed_apart_are_never_reused(apart, decoder, sampling):
+    """Where decoding passes take other instructions than prompts, a decoded row is not what
+    a prompt pass writes: the cache keeps the prompt's rows only (all but its last token), and
+    the next turn prefills the answer again, giving what the uncached pair gives."""
+    gen, uncached = apart
+    kw = {"max_tokens": 16, **DECODERS[decoder], **sampling}
+    gen.clear_prompt_cache()
+    first = ids(40, seed=4)
+    answer = gen.generate(first, **kw).tokens
+    assert answer == uncached.generate(first, **kw).tokens
+    turn = first + answer + [50, 51]
+    with fed(gen.verifier) as v_runs:
+        hit = gen.generate(turn, **kw)
+    assert hit.tokens == uncached.generate(turn, **kw).tokens
+    assert hit.stats["cached_tokens"] == len(first) - 1
+    assert v_runs[0] == len(turn) - len(first)  # the prompt's last token, the answer, the turn
+
+
 @pytest.mark.parametrize("decoder", ["chain", "tree", "plain"])
 def test_a_prompt_inside_a_cached_sequence_still_feeds_its_last_token(gen, uncached, decoder):
     kw = {"max_tokens": 12, **DECODERS[decoder], **GREEDY}

@@ -216,6 +216,8 @@ def _kernel_line(k: dict[str, Any]) -> str:
     dots = {"bf16": "bf16 dot products", "int8": "int8 dot products"}
     how = "ONDEVICE_KERNEL=" + k["env"] if k.get("env") else "the default"
     line = f"oneDNN {k['kernel']} weights, {dots.get(k['kernel'], 'float32')}, serves the verifier"
+    if k.get("decode"):
+        line += f" (decoding on {k['decode']}, prompts on {k['prompts']})"
     draft = k.get("draft", k["kernel"])
     if draft != k["kernel"]:
         line += f"; {draft} weights, {dots.get(draft, 'float32')}, serve an MLX draft"

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 import mlx.core as mx
 
 from ondevice.decoders.base import DecoderBase, Round, Step
+from ondevice.rules.engine import prefill
 from ondevice.runtime.engines import MLXEngine
 
 
@@ -31,11 +32,12 @@ class PlainGreedyDecoder(DecoderBase):
         v = self.verifier
         self.check_prompt(prompt)
         self._t0 = time.perf_counter()
-        if not resume:
-            v.reset()
-        if v.length >= len(prompt):
+        if v.length >= len(prompt) and resume:
             raise ValueError("the cache must leave at least the prompt's last token to feed")
-        self._y = mx.argmax(v.forward(prompt[v.length :], last_only=True)[-1])
+        # as every decoder: the prompt but its last token as a prompt, the last token as the
+        # first decoding pass (a kernel may compute the two apart, runtime/kernel.py)
+        prefill(v, prompt[:-1], resume)
+        self._y = mx.argmax(v.forward(prompt[-1:], last_only=True)[-1])
         mx.async_eval(self._y)
         self._pending = [self._y]
         try:

@@ -6,6 +6,7 @@ It lives here, free of MLX, so the rules and decoders in this package work over 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -56,4 +57,19 @@ def prefill(engine: Engine, tokens: Sequence[int], resume: bool = False) -> None
     if start > len(tokens):
         raise ValueError(f"the cache holds {start} tokens, more than the {len(tokens)} to prefill")
     if len(tokens) > start:
-        engine.feed(tokens[start:], last_only=True)
+        _pass.prompt = True
+        try:
+            engine.feed(tokens[start:], last_only=True)
+        finally:
+            _pass.prompt = False
+
+
+_pass = threading.local()  # what this thread's engine is feeding
+
+
+def in_prompt() -> bool:
+    """Whether this thread is inside `prefill`, feeding a prompt rather than decoding: a kernel
+    may compute a prompt's rows with other instructions than decoded ones, where both give a
+    row the same value whatever the pass's size but not each other's (runtime/kernel.py,
+    "Prompts apart")."""
+    return getattr(_pass, "prompt", False)

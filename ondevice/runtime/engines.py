@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ondevice.models.transformer import Model
-from ondevice.rules.engine import Engine
+from ondevice.rules.engine import Engine, in_prompt
 from ondevice.runtime import kernel
 from ondevice.runtime.coreml_engines import (  # noqa: F401  (their old home)
     FALLBACK_RECORD,
@@ -56,18 +56,35 @@ class MLXEngine:
         # (MKL's, Metal's) pick their blocking by shape, so elsewhere no engine claims it.
         self.eager = kernel.serves(model)
         self.batch_invariant = kernel.batch_invariant(model)
+        # Where prompts are computed with other instructions than decoding (runtime/kernel.py,
+        # "Prompts apart"), only the rows a prompt pass wrote equal a later prompt's own.
+        self.prompts_apart = kernel.prompts_apart(model)
+        self.prompt_rows = 0  # the cache's first rows a prompt pass (`prefill`) wrote
 
     @property
     def length(self) -> int:
         return self.cache.offset
 
+    @property
+    def reusable(self) -> int:
+        """How many of the cache's first positions a later prompt sharing them may take as its
+        own (the prompt cache): all, unless prompts are computed apart."""
+        return min(self.prompt_rows, self.length) if self.prompts_apart else self.length
+
+    def adopt(self, cache: Any) -> None:
+        """Take `cache` (a prompt cache entry's rows, which were all reusable) as this one's."""
+        self.cache, self.prompt_rows = cache, cache.offset
+
     def reset(self) -> None:
         self.cache = self.model.make_cache()
+        self.prompt_rows = 0
 
     def forward(self, tokens: Sequence[int], last_only: bool = False) -> mx.array:
         """Lazy logits (L, vocab) for `tokens` appended to the cache (long inputs in chunks);
         with `last_only`, (1, vocab) for the last token."""
         toks = list(tokens)
+        if in_prompt() and self.length <= self.prompt_rows:
+            self.prompt_rows = self.length + len(toks)
         n = self.prefill_chunk
         while len(toks) > n:
             mx.eval(self.model(mx.array([toks[:n]]), self.cache, last_only=True), self.cache.state)
@@ -82,6 +99,7 @@ class MLXEngine:
 
     def trim(self, n: int) -> None:
         self.cache.trim(n)
+        self.prompt_rows = min(self.prompt_rows, self.length)
 
 
 class _Wrapper:
@@ -147,7 +165,9 @@ class MLXTreeEngine(_Wrapper):
         return logits, np.array(states[0].astype(mx.float32))
 
     def keep(self, n_recent: int, indices: Sequence[int]) -> None:
-        self.engine.cache.keep(n_recent, indices)
+        engine = self.engine
+        engine.prompt_rows = min(engine.prompt_rows, engine.length - n_recent)
+        engine.cache.keep(n_recent, indices)
 
 
 def tree_engine(engine: Engine) -> Engine:

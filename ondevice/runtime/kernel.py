@@ -66,6 +66,23 @@ check that its rows equal the small passes' too. Attention's products go through
 so `serve` also swaps in `attention`, whose products have one shape per row whatever the pass;
 a served model then declares `batch_invariant` (runtime/engines.py).
 
+Prompts apart (an option): on a CPU with AMX (Intel Xeon since Sapphire Rapids) oneDNN picks
+AMX's tiles for bf16 products at any row count. AMX is flat to 16 rows and four times faster
+than AVX512-BF16's dot products at a prompt's 128-row chunks, but reads weights at about 20 GB/s
+here against AVX512-BF16's 25-27 at one to four rows: the 1.5B verifier's one-token pass takes
+about 185 ms against 140, its 8-token pass 200 against 235 (docs/benchmarks.md, "Issue 26,
+session 18"). The two never give a row the same bits, so one product cannot take one at one
+row and the other at eight. `ONDEVICE_KERNEL_DECODE=avx512` gives every decoding pass (plain,
+verification, trees) AVX512-BF16's and keeps AMX's for passes inside `prefill` (rules/engine.py,
+`in_prompt`): each is batch-invariant, so plain and speculative decoding still give the same
+tokens and a prompt's rows are the same whichever way it was split. A decoded row is then not
+a prompt's, so the prompt cache keeps only the rows prompt passes wrote (`MLXEngine.reusable`):
+the next turn of a conversation prefills the last answer again and gets exactly the rows an
+uncached request would. A decoding pass over more than `ROWS` tokens runs in chunks of `ROWS`,
+as its own passes do. Plain decoding runs a third faster that way, speculative decoding about
+as fast (its rounds shrink to the dearer multi-token passes), and a conversation pays the
+answer's prefill at its next turn, so the default keeps one implementation for every pass.
+
 Memory: a loader that is told `weight_dtype()` (`ondevice.load` does) rounds each linear weight
 and the embedding to bfloat16 as it reads it (models/weights.py), so no float32 copy of the
 model exists; an untied embedding's looked-up rows are widened to float32 (`KernelEmbedding`).
@@ -123,6 +140,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ondevice.rules.engine import in_prompt
 from ondevice.runtime.memory import release
 
 ENV = "ONDEVICE_KERNEL"
@@ -136,6 +154,9 @@ PREFILL_ROWS = 128  # ...or, in a pass over more than ROWS tokens (a prompt), in
 KEY_BLOCK = 128  # attention reads the keys in blocks of this many (see `attention`)
 REVISION = 3  # in profiles' names: raised when a change of this module changes pass costs
 THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default: all usable)
+DECODE_ENV = "ONDEVICE_KERNEL_DECODE"  # bf16 decoding passes: `prompt` (as prompts) or `avx512`
+DECODE_CHOICES = ("prompt", "avx512")
+AMX, AVX512_BF16 = "brg:avx512_core_amx", "brg:avx512_core_bf16"  # oneDNN's names for them
 
 # oneDNN C API constants (dnnl_types.h, oneDNN 3.x)
 _F32, _BF16, _S8 = 3, 2, 5  # dnnl_data_type_t
@@ -204,10 +225,12 @@ class _Plan:
         rows: int,
         threads: int,
         wei_md: ctypes.c_void_p | None = None,
+        impl: str | None = None,
     ):
         lib = dnnl.lib
         self.lib, self.stream = lib, dnnl.stream
-        self.key = (K, N, dtype, bias, wei_md is not None)  # shape, kind and weights' layout
+        # shape, kind, weights' layout and the implementation asked for
+        self.key = (K, N, dtype, bias, wei_md is not None, impl)
         self.invariant: bool | None = None  # rows as the padded product's (`_invariant`)
         # OpenMP's thread count is per calling thread: set it for the creation (oneDNN sizes
         # its blocking by it) and for every run of this plan.
@@ -224,9 +247,12 @@ class _Plan:
         dst_md = dnnl.md((rows, N), _F32, (N, 1))
         bias_md = dnnl.md((1, N), _F32, (N, 1)) if bias else None
         pd = dnnl.matmul(src_md, wei_md, bias_md, dst_md)
-        info = ctypes.c_char_p()
-        lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0, ctypes.byref(info))
-        self.impl = (info.value or b"?").decode()
+        self.impl = dnnl.impl(pd)
+        while impl is not None and self.impl != impl:  # oneDNN's next choice, best first
+            if lib.dnnl_primitive_desc_next_impl(pd):  # none left: this machine lacks it
+                lib.dnnl_primitive_desc_destroy(pd)
+                raise RuntimeError(f"oneDNN offers no {impl} matmul for a {K}x{N} product")
+            self.impl = dnnl.impl(pd)
         prim = ctypes.c_void_p()
         dnnl.check(lib.dnnl_primitive_create(ctypes.byref(prim), pd), "matmul primitive")
         lib.dnnl_primitive_desc_destroy(pd)
@@ -286,6 +312,7 @@ class _OneDNN:
             "dnnl_matmul_primitive_desc_create": [ctypes.POINTER(vp), vp, vp, vp, vp, vp, vp],
             "dnnl_primitive_desc_query": [vp, ctypes.c_int, ctypes.c_int, vp],
             "dnnl_primitive_desc_destroy": [vp],
+            "dnnl_primitive_desc_next_impl": [vp],
             "dnnl_primitive_create": [ctypes.POINTER(vp), vp],
             "dnnl_memory_create": [ctypes.POINTER(vp), vp, vp, vp],
             "dnnl_memory_destroy": [vp],
@@ -318,6 +345,12 @@ class _OneDNN:
     def check(status: int, what: str) -> None:
         if status:
             raise RuntimeError(f"oneDNN: could not create the {what} (status {status})")
+
+    def impl(self, pd: ctypes.c_void_p) -> str:
+        """The name of the implementation a primitive descriptor holds (`brg:avx512_core_amx`)."""
+        info = ctypes.c_char_p()
+        self.lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0, ctypes.byref(info))
+        return (info.value or b"?").decode()
 
     def md(self, dims: tuple[int, ...], dtype: int, strides: tuple[int, ...]) -> ctypes.c_void_p:
         md = ctypes.c_void_p()
@@ -473,19 +506,21 @@ class _OneDNN:
         rows: int = ROWS,
         threads: int = 0,
         packed: bool = False,
+        impl: str | None = None,
     ) -> _Plan:
         """The plan of a product (threads: 0 = `default_threads()`) whose weights are read in
-        `packed_layout` (`packed`) or in MLX's row-major layout."""
+        `packed_layout` (`packed`) or in MLX's row-major layout, by oneDNN's first choice of
+        implementation or the one named (`impl`)."""
         if threads <= 0:
             threads = default_threads()
         plans = getattr(self._local, "plans", None)
         if plans is None:
             plans = self._local.plans = {}
-        key = (K, N, dtype, bias, rows, threads, packed)
+        key = (K, N, dtype, bias, rows, threads, packed, impl)
         p = plans.get(key)
         if p is None:
             layout = self.packed_layout(K, N, dtype) if packed else None
-            p = plans[key] = _Plan(self, K, N, dtype, bias, rows, threads, layout)
+            p = plans[key] = _Plan(self, K, N, dtype, bias, rows, threads, layout, impl)
         return p
 
 
@@ -556,6 +591,29 @@ def draft_choice() -> str:
     return "int8" if _asked() == "auto" and kind == "bf16" and cpu_has_int8() else kind
 
 
+def decode_impl() -> str | None:
+    """The oneDNN implementation bf16 products of decoding passes ask for where it is not the
+    one prompts get (see "Prompts apart" above): AVX512-BF16's where `ONDEVICE_KERNEL_DECODE=
+    avx512` asks and the CPU has AMX too; None (oneDNN's first choice, as for prompts) by
+    default and wherever AVX512-BF16 is that choice anyway."""
+    want = os.environ.get(DECODE_ENV, "prompt").strip().lower() or "prompt"
+    if want not in DECODE_CHOICES:
+        raise ValueError(f"{DECODE_ENV}={want!r}: choose one of {', '.join(DECODE_CHOICES)}.")
+    if want == "prompt" or not {"amx_bf16", "avx512_bf16"} <= _cpu_flags():
+        return None
+    return AVX512_BF16
+
+
+def prompts_apart(model: nn.Module) -> bool:
+    """Whether this served model computes prompt passes with other instructions than decoding
+    passes, so that a prompt's rows are not bitwise a decoded sequence's (see "Prompts apart"
+    above; the prompt cache then keeps only rows a prompt pass wrote)."""
+    return any(
+        isinstance(m, KernelLinear) and m.decode_impl is not None and m._dtype == _BF16
+        for _, m in model.named_modules()
+    )
+
+
 def status() -> dict[str, Any]:
     """For `ondevice doctor`: which kernel serves the verifier's linear products (and an MLX
     draft's: `draft`), and why."""
@@ -573,6 +631,8 @@ def status() -> dict[str, Any]:
         out["bf16_dot_products"] = cpu_has_bf16()
         out["int8_dot_products"] = cpu_has_int8()
         out["draft"] = draft_choice()
+        if kind == "bf16" and decode_impl() is not None:  # see "Prompts apart" above
+            out["decode"], out["prompts"] = "AVX512-BF16", "AMX"
     return out
 
 
@@ -879,6 +939,7 @@ class KernelLinear(nn.Module):
     """
 
     threads = 0  # OpenMP threads per product (0: `default_threads()`)
+    decode_impl: str | None = None  # a bf16 product's in decoding passes (`decode_impl()`)
 
     def __init__(self, weight: mx.array, bias: mx.array | None, kind: str):
         super().__init__()
@@ -941,7 +1002,7 @@ class KernelLinear(nn.Module):
         """A product of `kind` over this one's first N rows (and bias), on as many threads."""
         bias = self.bias[:N] if "bias" in self else None
         out = KernelLinear(self.rows(np.arange(N)), bias, kind)
-        out.threads = self.threads
+        out.threads, out.decode_impl = self.threads, self.decode_impl
         return out
 
     def dense(self) -> mx.array:
@@ -991,20 +1052,33 @@ class KernelLinear(nn.Module):
         # int8: the bias is added after scaling (oneDNN would add it to the integer sums)
         fused_bias = self._np_bias is not None and scale is None
         bias_ptr = self._bias_ptr if fused_bias else None
-        rows = M if M <= ROWS else PREFILL_ROWS
-        plan = _dnnl.plan(K, N, self._dtype, fused_bias, rows, self.threads, self._packed)  # type: ignore[union-attr]
+        # see "Prompts apart" above
+        impl = self.decode_impl if self._dtype == _BF16 and not in_prompt() else None
+        plan_of = functools.partial(
+            _dnnl.plan,  # type: ignore[union-attr]
+            K,
+            N,
+            self._dtype,
+            fused_bias,
+            threads=self.threads,
+            packed=self._packed,
+            impl=impl,
+        )
         if M <= ROWS:
+            plan = plan_of(M)
             if plan.invariant is None:
                 plan.invariant = self._invariant(plan, src, bias_ptr)
             if not plan.invariant:
-                plan = _dnnl.plan(K, N, self._dtype, fused_bias, ROWS, self.threads, self._packed)  # type: ignore[union-attr]
+                plan = plan_of(ROWS)
             plan.src[:M] = src
             plan.run(self._weight_ptr, bias_ptr)
             full = plan.dst[:M]
-        else:
+        else:  # in chunks: a decoding pass's of ROWS, as its own passes; a prompt's larger
+            chunk = ROWS if impl is not None else PREFILL_ROWS
+            plan = plan_of(chunk)
             full = np.empty((M, N), np.float32)
-            for i in range(0, M, PREFILL_ROWS):
-                n = min(PREFILL_ROWS, M - i)
+            for i in range(0, M, chunk):
+                n = min(chunk, M - i)
                 plan.src[:n] = src[i : i + n]
                 plan.run(self._weight_ptr, bias_ptr)
                 full[i : i + n] = plan.dst[:n]
@@ -1022,7 +1096,8 @@ class KernelLinear(nn.Module):
         M = src.shape[0]
         if M == ROWS:
             return True
-        padded = _dnnl.plan(*plan.key[:4], ROWS, plan.threads, plan.key[4])  # type: ignore[union-attr]
+        K, N, dtype, bias, packed, impl = plan.key
+        padded = _dnnl.plan(K, N, dtype, bias, ROWS, plan.threads, packed, impl)  # type: ignore[union-attr]
         padded.src[:M] = src
         padded.run(self._weight_ptr, bias_ptr)
         plan.src[:M] = src
@@ -1160,7 +1235,8 @@ def products(model: nn.Module) -> str:
         kind = "bf16-blocked"
     if getattr(model.head, "_packed", False):  # type: ignore[union-attr]
         kind += "-head"
-    return f"onednn-{kind} x{served[0].threads or default_threads()} r{REVISION}"
+    decode = f" decode-{served[0].decode_impl}" if prompts_apart(model) else ""
+    return f"onednn-{kind} x{served[0].threads or default_threads()} r{REVISION}{decode}"
 
 
 def batch_invariant(model: nn.Module) -> bool:
@@ -1202,6 +1278,10 @@ def serve(
             _pack(model)  # the (bf16) head
     elif kind == "bf16":
         _pack(model)
+        impl = decode_impl()  # see "Prompts apart" above
+        for _, m in model.named_modules():
+            if isinstance(m, KernelLinear):
+                m.decode_impl = impl
     return kind
 
 

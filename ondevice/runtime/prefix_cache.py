@@ -10,6 +10,12 @@ on the first n tokens and a prefix stays valid whatever came after it.
 
 At least the prompt's last token is always left to feed: the decoders need the logits it gives.
 
+Where the CPU kernel computes prompts with other instructions than decoding (runtime/kernel.py,
+"Prompts apart"), a decoded row is not bitwise what a prompt pass writes, so an entry keeps only
+the rows prompt passes wrote (`MLXEngine.reusable`: the prompt but its last token); the next
+turn prefills the previous answer again, at the prompt's rate, and decodes exactly what an
+uncached request would.
+
 Entries live in an LRU bounded in bytes (`max_bytes`; 0 turns the cache off). An entry whose
 tokens the new prompt extends is moved into the engines (no copy; the generation stores it back,
 longer); one the prompt leaves early is copied up to the shared prefix and stays, so two
@@ -112,6 +118,12 @@ def take(engine: Engine, n: int) -> Saved | None:
     return saved
 
 
+def _reusable(engine: Engine) -> int:
+    """How many of the engine's first positions a later prompt may reuse (`MLXEngine.reusable`:
+    not a decoded row where the kernel computes prompts apart); any other engine's all."""
+    return getattr(innermost(engine), "reusable", engine.length)
+
+
 def put(engine: Engine, saved: Saved, n: int, move: bool, tokens: Sequence[int]) -> None:
     """Start the engine from the first n positions of `saved`, which hold tokens[:n] (moved when
     `move`: then `saved` must not be used again)."""
@@ -123,9 +135,9 @@ def put(engine: Engine, saved: Saved, n: int, move: bool, tokens: Sequence[int])
         assert isinstance(engine, MLXEngine)
         if move:
             saved.kv.trim(saved.kv.offset - n)
-            engine.cache = saved.kv
+            engine.adopt(saved.kv)
         else:
-            engine.cache = saved.kv.copy(n)
+            engine.adopt(saved.kv.copy(n))
     else:
         engine.import_kv({k: v[:, :, :n] for k, v in saved.kv.items()})  # type: ignore[attr-defined]
 
@@ -273,7 +285,7 @@ class PrefixCache:
             if draft is not None:
                 draft.reset()
             return
-        nv = min(verifier_valid, verifier.length, len(tokens))
+        nv = min(verifier_valid, verifier.length, len(tokens), _reusable(verifier))
         v = take(verifier, nv)
         d = None
         if draft is not None:
