@@ -85,6 +85,40 @@ def test_a_product_runs_at_its_own_rows_only_where_they_are_the_padded_products(
     assert plan.invariant is False
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_long_passs_last_chunk_runs_in_the_smallest_plan_that_gives_the_same_rows(
+    kind, monkeypatch
+):
+    """A pass over more than ROWS tokens runs in chunks of PREFILL_ROWS, its last chunk in the
+    smallest of `CHUNKS` that holds it; every row equals the row computed alone, whatever the
+    pass's size. A plan made to differ in one last bit is found out and its chunk runs ROWS
+    rows at a time instead, with the same result."""
+    lin = kernel.KernelLinear(mx.random.normal((300, 96), key=mx.random.key(3)), None, kind)
+    lin.pack()
+    x = np.array(mx.random.normal((300, 96), key=mx.random.key(4)))
+    alone = np.concatenate([np.array(lin(mx.array(x[i : i + 1]))) for i in range(len(x))])
+    for M in (17, 40, 64, 100, 128, 150, 300):
+        assert np.array_equal(np.array(lin(mx.array(x[:M]))), alone[:M]), M
+    sizes = {
+        p.src.shape[0]
+        for p in kernel._dnnl._local.plans.values()
+        if p.key[:3] == (96, 300, lin._dtype)
+    }
+    assert {32, 64, 128} <= sizes  # 40 -> 64, 17 -> 32, 150 -> 128 + 32
+    run = kernel._Plan.run
+
+    def off_by_a_bit(self, weight_ptr, bias_ptr):
+        run(self, weight_ptr, bias_ptr)
+        if self.src.shape[0] == 64:
+            self.dst.view(np.uint32)[0, 0] ^= 1
+
+    monkeypatch.setattr(kernel._Plan, "run", off_by_a_bit)
+    plan = kernel._dnnl.plan(96, 300, lin._dtype, False, 64, 0, lin._packed)
+    plan.invariant = None
+    assert np.array_equal(np.array(lin(mx.array(x[:40]))), alone[:40])
+    assert plan.invariant is False
+
+
 def _int8_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x @ w.T the way the int8 kernel defines it (runtime/kernel.py, "int8")."""
 

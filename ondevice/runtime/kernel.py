@@ -60,9 +60,13 @@ product padded to `ROWS` rows gives: checked once per shape and M, on the first 
 running both (`KernelLinear._invariant`); elsewhere it runs padded to `ROWS`. oneDNN's bf16
 and int8 kernels passed that check at every M here (one kernel, whose sums run in the same
 order at every M), and a one-token product then reads its 8960 x 1536 bf16 weight in 0.87 ms
-instead of padded 16 rows' 1.18 ms. A longer pass (a prompt) runs in padded chunks of
-`PREFILL_ROWS`, where the product is bound by compute and the larger blocks pay; the tests
-check that its rows equal the small passes' too. Attention's products go through MLX's BLAS,
+instead of padded 16 rows' 1.18 ms. A longer pass (a prompt, a large tree) runs in chunks of
+`PREFILL_ROWS`, where the product is bound by compute and the larger blocks pay, its last
+chunk in the smallest plan of `CHUNKS` that holds it (32, 64 or 128 rows): a 20-node tree
+pass of the 1.5B verifier, padded to 128 rows, cost 0.75 s against 0.25 at 16 nodes, and AMX
+multiplies 32 rows in 1.1-1.25x the time of 16 (docs/benchmarks.md, "Issue 26, session 18").
+Each such plan too is used only where its rows equal the `ROWS` plan's (`_invariant`, which
+runs the `ROWS` plan over them in turn; elsewhere the chunk runs `ROWS` at a time). Attention's products go through MLX's BLAS,
 so `serve` also swaps in `attention`, whose products have one shape per row whatever the pass;
 a served model then declares `batch_invariant` (runtime/engines.py).
 
@@ -151,8 +155,9 @@ SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # tra
 DRAFT_VOCAB = 65536  # an int8 draft scores this many ids at most (see "The draft's head")
 ROWS = 16  # a product over up to this many rows runs at its own M or padded to this...
 PREFILL_ROWS = 128  # ...or, in a pass over more than ROWS tokens (a prompt), in chunks of this
+CHUNKS = (ROWS, 2 * ROWS, 4 * ROWS, PREFILL_ROWS)  # ...the last at the first of these that holds it
 KEY_BLOCK = 128  # attention reads the keys in blocks of this many (see `attention`)
-REVISION = 3  # in profiles' names: raised when a change of this module changes pass costs
+REVISION = 4  # in profiles' names: raised when a change of this module changes pass costs
 THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default: all usable)
 DECODE_ENV = "ONDEVICE_KERNEL_DECODE"  # bf16 decoding passes: `prompt` (as prompts) or `avx512`
 DECODE_CHOICES = ("prompt", "avx512")
@@ -1064,24 +1069,29 @@ class KernelLinear(nn.Module):
             packed=self._packed,
             impl=impl,
         )
-        if M <= ROWS:
-            plan = plan_of(M)
+        # In chunks of PREFILL_ROWS (a decoding pass computed apart from prompts: of ROWS, as its
+        # own passes), the last one at the smallest plan that holds it (`CHUNKS`), each plan
+        # used only where it gives every row what the ROWS plan gives (`_invariant`).
+        full = None
+        i = 0
+        while i < M:
+            n = min(M - i, ROWS if impl is not None else PREFILL_ROWS)
+            plan = plan_of(n if n <= ROWS else next(c for c in CHUNKS if c >= n))
             if plan.invariant is None:
-                plan.invariant = self._invariant(plan, src, bias_ptr)
+                plan.invariant = self._invariant(plan, src[i : i + n], bias_ptr)
             if not plan.invariant:
+                n = min(n, ROWS)
                 plan = plan_of(ROWS)
-            plan.src[:M] = src
+            plan.src[:n] = src[i : i + n]
             plan.run(self._weight_ptr, bias_ptr)
-            full = plan.dst[:M]
-        else:  # in chunks: a decoding pass's of ROWS, as its own passes; a prompt's larger
-            chunk = ROWS if impl is not None else PREFILL_ROWS
-            plan = plan_of(chunk)
-            full = np.empty((M, N), np.float32)
-            for i in range(0, M, chunk):
-                n = min(chunk, M - i)
-                plan.src[:n] = src[i : i + n]
-                plan.run(self._weight_ptr, bias_ptr)
-                full[i : i + n] = plan.dst[:n]
+            if n == M:
+                full = plan.dst[:M]  # a view: valid until this thread's next such product
+                break
+            if full is None:
+                full = np.empty((M, N), np.float32)
+            full[i : i + n] = plan.dst[:n]
+            i += n
+        assert full is not None
         if scale is not None:  # the int32 sums scaled back (in numpy, as the rounding), in
             full *= self._np_scales  # place: a draft's 65,536-id head allocated 256 KB twice
             full *= scale
@@ -1090,19 +1100,24 @@ class KernelLinear(nn.Module):
         return full.reshape(*lead, N)
 
     def _invariant(self, plan: _Plan, src: np.ndarray, bias_ptr: int | None) -> bool:
-        """Whether `plan` (M rows) gives `src`'s rows exactly what the product padded to `ROWS`
-        rows gives them (see "Batch invariance" above): a kernel whose sums ran in another
-        order at another M would differ in some of the N outputs' last bits."""
-        M = src.shape[0]
-        if M == ROWS:
+        """Whether `plan` gives `src`'s rows (as many as the plan's or fewer) exactly what the
+        product at `ROWS` rows gives them, `ROWS` at a time (see "Batch invariance" above): a
+        kernel whose sums ran in another order at another M would differ in some of the N
+        outputs' last bits."""
+        if plan.src.shape[0] == ROWS:
             return True
+        M = src.shape[0]
         K, N, dtype, bias, packed, impl = plan.key
         padded = _dnnl.plan(K, N, dtype, bias, ROWS, plan.threads, packed, impl)  # type: ignore[union-attr]
-        padded.src[:M] = src
-        padded.run(self._weight_ptr, bias_ptr)
+        want = np.empty((M, N), np.float32)
+        for i in range(0, M, ROWS):
+            n = min(ROWS, M - i)
+            padded.src[:n] = src[i : i + n]
+            padded.run(self._weight_ptr, bias_ptr)
+            want[i : i + n] = padded.dst[:n]
         plan.src[:M] = src
         plan.run(self._weight_ptr, bias_ptr)
-        return bool(np.array_equal(plan.dst[:M], padded.dst[:M]))
+        return bool(np.array_equal(plan.dst[:M], want))
 
 
 def _round_bf16(rows: np.ndarray) -> np.ndarray:
