@@ -119,6 +119,31 @@ def test_a_long_passs_last_chunk_runs_in_the_smallest_plan_that_gives_the_same_r
     assert plan.invariant is False
 
 
+def test_the_elementwise_glue_gives_every_row_its_own_values_slab_by_slab():
+    """The MLP's gating and the rounding of a product's input walk a prompt's rows `SLAB` at a
+    time: every row is what it is alone (a row's values never depend on the pass), the gating
+    is MLX's SiLU(gate) * up, and the rounding is MLX's own float32 -> bfloat16 (to nearest,
+    ties to even), bit for bit, over rows that span several slabs and a partial last one."""
+    rng = np.random.default_rng(5)
+    rows = 3 * kernel.SLAB + 3
+    g = rng.standard_normal((rows, 300), dtype=np.float32) * 20
+    u = rng.standard_normal((rows, 300), dtype=np.float32)
+    gated = kernel.silu_gate(g, u)
+    alone = np.concatenate([kernel.silu_gate(g[i : i + 1], u[i : i + 1]) for i in range(rows)])
+    assert np.array_equal(gated, alone)
+    want = np.array(nn.silu(mx.array(g)) * mx.array(u))
+    np.testing.assert_allclose(gated, want, rtol=1e-5, atol=1e-6)
+    assert gated.shape == (rows, 300)
+    assert kernel.silu_gate(g.reshape(1, rows, 300), u.reshape(1, rows, 300)).shape == (
+        1,
+        rows,
+        300,
+    )
+    bits = kernel._round_bf16(g)
+    assert np.array_equal(bits, np.array(mx.array(g).astype(mx.bfloat16).view(mx.uint16)))
+    assert np.array_equal(bits[5], kernel._round_bf16(g[5:6])[0])
+
+
 def _int8_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x @ w.T the way the int8 kernel defines it (runtime/kernel.py, "int8")."""
 

@@ -157,6 +157,11 @@ ROWS = 16  # a product over up to this many rows runs at its own M or padded to 
 PREFILL_ROWS = 128  # ...or, in a pass over more than ROWS tokens (a prompt), in chunks of this
 CHUNKS = (ROWS, 2 * ROWS, 4 * ROWS, PREFILL_ROWS)  # ...the last at the first of these that holds it
 KEY_BLOCK = 128  # attention reads the keys in blocks of this many (see `attention`)
+# elementwise glue (the MLP's gating, rounding a product's input) walks a prompt's rows this many
+# at a time: a slab of the 1.5B's 8,960-wide rows stays in cache between its numpy passes, where
+# whole (400, 8960) arrays streamed through memory once a pass (gating 9.6 -> 5.1 ms, rounding
+# 8.2 -> 2.2 ms: docs/benchmarks.md, "Issue 26, session 18")
+SLAB = 8
 REVISION = 4  # in profiles' names: raised when a change of this module changes pass costs
 THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default: all usable)
 DECODE_ENV = "ONDEVICE_KERNEL_DECODE"  # bf16 decoding passes: `prompt` (as prompts) or `avx512`
@@ -918,13 +923,20 @@ def silu_gate(gate: mx.array, up: mx.array) -> mx.array:
     the AMD VMs here, and numpy needs no MLX op (none wakes MLX's stream thread). Elementwise,
     so a row's values do not depend on the pass size."""
     g, u = _np(gate), _np(up)
-    e = np.negative(g)
-    with np.errstate(over="ignore"):  # exp(-g) = inf: silu(g) = -0.0, as it should
-        np.exp(e, out=e)
-    e += 1
-    out = g * u
-    out /= e
-    return _like(gate, out)
+    shape = g.shape
+    g, u = g.reshape(-1, shape[-1]), u.reshape(-1, shape[-1])
+    out = np.empty(g.shape, np.float32)
+    e = np.empty((min(len(g), SLAB), g.shape[1]), np.float32)
+    for i in range(0, len(g), SLAB):  # a prompt's rows a slab at a time: see `SLAB`
+        rows = slice(i, i + SLAB)
+        ei = e[: len(g[rows])]
+        np.negative(g[rows], out=ei)
+        with np.errstate(over="ignore"):  # exp(-g) = inf: silu(g) = -0.0, as it should
+            np.exp(ei, out=ei)
+        ei += 1
+        np.multiply(g[rows], u[rows], out=out[rows])
+        out[rows] /= ei
+    return _like(gate, out.reshape(shape))
 
 
 class KernelLinear(nn.Module):
@@ -1121,9 +1133,21 @@ class KernelLinear(nn.Module):
 
 
 def _round_bf16(rows: np.ndarray) -> np.ndarray:
-    """float32 rows rounded to bfloat16 (to nearest, ties to even), as uint16 bit patterns."""
+    """float32 rows (M, K) rounded to bfloat16 (to nearest, ties to even), as uint16 bit
+    patterns, `SLAB` rows at a time."""
     u = np.ascontiguousarray(rows).view(np.uint32)  # no copy where already contiguous
-    return ((u + ((u >> 16) & 1) + 0x7FFF) >> 16).astype(np.uint16)
+    out = np.empty(u.shape, np.uint16)
+    t = np.empty((min(len(u), SLAB), u.shape[1]), np.uint32)
+    for i in range(0, len(u), SLAB):
+        ui = u[i : i + SLAB]
+        ti = t[: len(ui)]
+        np.right_shift(ui, 16, out=ti)
+        ti &= 1
+        ti += ui
+        ti += 0x7FFF
+        ti >>= 16
+        out[i : i + SLAB] = ti
+    return out
 
 
 def _quantize_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
