@@ -763,7 +763,8 @@ def attention(
     one block of `KEY_BLOCK` keys, the last block padded and masked. The softmax's maximum is
     exact in any order; its sum and the values' weighted sum are taken per block and then over
     the blocks one after another, and a block past a row's last key adds exact zeros. So a row
-    costs what it costs alone, and a pass over L tokens does L rows' work, not a padded pass's.
+    costs what it costs alone, and a pass over L tokens does L rows' work, not a padded pass's
+    (a prompt's rows are taken a run of rows per key block, each over the blocks it reaches).
 
     All in numpy, on the calling thread: numpy's matmul makes one BLAS call per (token, block)
     matrix of a stack, as MLX's batched product did, and its `exp` is vectorised where MLX's CPU
@@ -784,6 +785,18 @@ def attention(
     kv_heads, S, Dv = kn.shape[1], kn.shape[2], vn.shape[3]
     rep, blk = H // kv_heads, KEY_BLOCK
     nb = -(-S // blk)
+    if isinstance(mask, str) and L > 1 and (S - L) // blk < nb - 1:
+        # A prompt's rows span several key blocks: rows whose last key lies in block b need
+        # no later block (it would add exact zeros), so each such run of rows is taken over
+        # its own blocks only (a 400-token prompt computed 4 blocks a row where it needs 2.5).
+        parts = []
+        for b in range((S - L) // blk, nb):
+            lo, hi = max(0, b * blk - (S - L)), min(L, (b + 1) * blk - (S - L))
+            end = S - L + hi  # the run's last key
+            parts.append(
+                attention(qn[:, :, lo:hi], kn[:, :, :end], vn[:, :, :end], scale=scale, mask=mask)
+            )
+        return _like(q, np.concatenate(parts, axis=2))
     kp, vp = _key_blocks(kn, nb * blk), _key_blocks(vn, nb * blk)
     # (B, kv_heads, L, 1, rep, D) @ (B, kv_heads, 1, nb, D, blk): one (rep, D) x (D, blk)
     # product per token and block
