@@ -215,10 +215,11 @@ def test_a_rows_logits_do_not_depend_on_the_pass_size(
 def test_prompts_and_decoding_passes_each_take_their_own_implementation(tmp_path, monkeypatch):
     """Where decoding passes ask for another implementation than prompts (`decode_impl` with
     ONDEVICE_KERNEL_DECODE=avx512: on a CPU with AMX, AVX512-BF16's; elsewhere oneDNN's first
-    choice, named, which runs the same bookkeeping), every product of a decoding pass runs it and every product inside `prefill`
-    oneDNN's first choice; each is batch-invariant on its own (a prompt split anywhere gives
-    the same cache, a decoding pass any size the same rows), and the engine counts only a
-    prompt pass's rows as reusable by a later prompt (the prompt cache)."""
+    choice, named, which runs the same bookkeeping), every product of a decoding pass runs it
+    and every product inside `prefill` oneDNN's first choice; each is batch-invariant on its
+    own (a prompt split anywhere gives the same cache, a decoding pass any size the same
+    rows), and the engine counts only a prompt pass's rows as reusable by a later prompt (the
+    prompt cache)."""
     monkeypatch.setenv(kernel.DECODE_ENV, "avx512")
     path = tiny.write_model(tmp_path / "m", tie=True, scale=1.5)
     model = _served(path, "bf16")

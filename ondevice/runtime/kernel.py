@@ -66,9 +66,10 @@ chunk in the smallest plan of `CHUNKS` that holds it (32, 64 or 128 rows): a 20-
 pass of the 1.5B verifier, padded to 128 rows, cost 0.75 s against 0.25 at 16 nodes, and AMX
 multiplies 32 rows in 1.1-1.25x the time of 16 (docs/benchmarks.md, "Issue 26, session 18").
 Each such plan too is used only where its rows equal the `ROWS` plan's (`_invariant`, which
-runs the `ROWS` plan over them in turn; elsewhere the chunk runs `ROWS` at a time). Attention's products go through MLX's BLAS,
-so `serve` also swaps in `attention`, whose products have one shape per row whatever the pass;
-a served model then declares `batch_invariant` (runtime/engines.py).
+runs the `ROWS` plan over them in turn; elsewhere the chunk runs `ROWS` at a time).
+Attention's products go through MLX's BLAS, so `serve` also swaps in `attention`, whose
+products have one shape per row whatever the pass; a served model then declares
+`batch_invariant` (runtime/engines.py).
 
 Prompts apart (an option): on a CPU with AMX (Intel Xeon since Sapphire Rapids) oneDNN picks
 AMX's tiles for bf16 products at any row count. AMX is flat to 16 rows and four times faster
@@ -166,7 +167,7 @@ REVISION = 4  # in profiles' names: raised when a change of this module changes 
 THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default: all usable)
 DECODE_ENV = "ONDEVICE_KERNEL_DECODE"  # bf16 decoding passes: `prompt` (as prompts) or `avx512`
 DECODE_CHOICES = ("prompt", "avx512")
-AMX, AVX512_BF16 = "brg:avx512_core_amx", "brg:avx512_core_bf16"  # oneDNN's names for them
+AVX512_BF16 = "brg:avx512_core_bf16"  # oneDNN's name for its AVX512-BF16 matmul
 
 # oneDNN C API constants (dnnl_types.h, oneDNN 3.x)
 _F32, _BF16, _S8 = 3, 2, 5  # dnnl_data_type_t
