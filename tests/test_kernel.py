@@ -18,6 +18,7 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 from support.engines import TimedEngine
+from support.kernel import decode_apart
 
 import ondevice
 from ondevice.decoders.chain import ChainDecoder
@@ -220,15 +221,12 @@ def test_prompts_and_decoding_passes_each_take_their_own_implementation(tmp_path
     own (a prompt split anywhere gives the same cache, a decoding pass any size the same
     rows), and the engine counts only a prompt pass's rows as reusable by a later prompt (the
     prompt cache)."""
-    monkeypatch.setenv(kernel.DECODE_ENV, "avx512")
+    impl, first = decode_apart(monkeypatch)
     path = tiny.write_model(tmp_path / "m", tie=True, scale=1.5)
     model = _served(path, "bf16")
-    first = kernel._dnnl.plan(64, 64, kernel._BF16, False, 1, packed=True).impl
-    impl = kernel.decode_impl() or first
     for _, m in model.named_modules():
         if isinstance(m, kernel.KernelLinear):
-            assert m.decode_impl == kernel.decode_impl()  # what `serve` asked for
-            m.decode_impl = impl
+            assert m.decode_impl == impl  # what `serve` asked for
     assert kernel.prompts_apart(model) and impl in kernel.products(model)
     engine = MLXEngine(model)
     assert engine.prompts_apart

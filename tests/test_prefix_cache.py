@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import tiny
+from support.kernel import decode_apart
 
 import ondevice
 from ondevice.api import Generator, _Pair
@@ -138,10 +139,7 @@ def apart(models) -> Iterator[tuple[Generator, Generator]]:
     if not kernel.available() or kernel.choice() != "bf16":
         pytest.skip("no bf16 kernel here")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(kernel.DECODE_ENV, "avx512")
-        if kernel.decode_impl() is None:
-            first = kernel._dnnl.plan(64, 64, kernel._BF16, False, 1, packed=True).impl
-            mp.setattr(kernel, "decode_impl", lambda: first)
+        decode_apart(mp)
         pair = tuple(
             ondevice.load(models["verifier"], models["draft"], draft_backend="mlx", **kw)
             for kw in ({}, {"prompt_cache_bytes": 0})
