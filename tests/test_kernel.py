@@ -770,6 +770,32 @@ def test_a_bf16_models_weights_are_blocked_and_read_by_row_in_place(tmp_path, ti
     assert np.array_equal(np.array(first), np.array(full)[..., :7])  # rows are independent
 
 
+@pytest.mark.skipif("bf16" not in KINDS, reason="no bf16 dot products on this CPU")
+def test_a_packed_weights_first_rows_are_read_in_place_where_its_layout_keeps_them_first():
+    """`prefix`: the first N outputs of a packed weight as a product over the same buffer (no
+    copy) where the blocked layout keeps them as a packed (N, K) weight would be, giving what
+    a packed copy of those rows gives; a truncated head's `first_rows` goes through it."""
+    lin = kernel.KernelLinear(mx.random.normal((300, 96), key=mx.random.key(5)), None, "bf16")
+    lin.pack()
+    x = mx.random.normal((1, 3, 96), key=mx.random.key(6))
+    full = np.array(lin(x))
+    read = 0
+    for N in (7, 64, 128, 200):
+        first = lin.prefix(N)
+        if first is None:
+            continue
+        read += 1
+        copied = lin.top(N, "bf16")
+        copied.pack()
+        assert first._weight_ptr == lin._weight_ptr and first.out_features == N
+        got = np.array(first(x))
+        assert np.array_equal(got, np.array(copied(x))) and np.array_equal(got, full[..., :N])
+        assert np.array_equal(np.array(lin.first_rows(x, N)), got)
+        assert lin._first._weight_ptr == lin._weight_ptr  # the truncated head: in place
+    if kernel.one_row_impl() is not None:  # Intel with AMX: outputs blocked by 64, outermost
+        assert read == 4
+
+
 def test_packed_offsets_read_every_element_where_onednn_put_it():
     """`offsets` reads the blocked layout's description (strides, inner blocks); every element
     of a packed weight is where it says, for shapes with and without whole blocks."""

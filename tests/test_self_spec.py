@@ -152,7 +152,10 @@ def _served(tmp_path, arch, seed=3):
 
 @needs_kernel
 @pytest.mark.parametrize("arch", ARCHS)
-def test_on_the_cpu_kernel_the_draft_reads_int8_copies_of_the_kept_layers(tmp_path, arch):
+def test_on_the_cpu_kernel_the_draft_reads_int8_copies_of_the_kept_layers(
+    tmp_path, arch, monkeypatch
+):
+    monkeypatch.setenv(layer_skip.READING_ENV, "int8")  # asked for: copies cost memory
     m = _served(tmp_path, arch)
     keep = [0, 2, 3, LAYERS - 1]
     before = {k: np.array(v) for k, v in tree_flatten(m.parameters())}
@@ -191,6 +194,76 @@ def test_on_the_cpu_kernel_the_draft_reads_int8_copies_of_the_kept_layers(tmp_pa
     found = layer_skip.cached_skip_set(m)
     assert found is not None and found.reading == "int8" and "int8 copies" in found.describe()
     assert found.draft_fraction > 0  # measured (a tiny model's int8 step is glue: not < 1)
+
+
+needs_avx512_bf16 = pytest.mark.skipif(
+    not kernel.available() or "avx512_bf16" not in kernel._cpu_flags(),
+    reason="no AVX512-BF16 products here",
+)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_self_draft_reads_the_verifiers_own_weights_by_the_one_row_implementation(
+    tmp_path, arch, monkeypatch
+):
+    """By default (no copies asked for) the draft's kept layers and head read the very same
+    bf16 buffers as the verifier, through AVX512-BF16's products in its decoding passes (on a
+    CPU with AMX, where the verifier's passes get AMX's; elsewhere asked for here, so that the
+    path runs on every CPU with AVX512-BF16), and self-speculation still gives plain's tokens."""
+    want = kernel.one_row_impl() or kernel.AVX512_BF16
+    monkeypatch.setattr(kernel, "one_row_impl", lambda: want)
+    monkeypatch.setattr(kernel, "DRAFT_VOCAB", 64)  # the head's first 64 ids of 96, in place
+    path = tiny.write_model(tmp_path / arch, seed=3, layers=LAYERS, arch=arch, tie=arch == "qwen2")
+    m = load_model(path, dequantize=True).model
+    kernel.serve(m, "bf16")
+    keep = [0, 2, 3, LAYERS - 1]
+    reading = layer_skip.self_reading(m, keep)
+    assert reading is not None and reading.kind == "one-row" and sorted(reading.layers) == keep
+    theirs = {id(v) for _, v in tree_flatten(m.parameters())}
+    for part in [reading.head, *reading.layers.values()]:  # no byte of weights more
+        assert all(id(v) in theirs for _, v in tree_flatten(part.parameters()))
+    view = layer_skip.LayerSkipView(m, keep, reading)
+    for j, i in enumerate(keep):
+        mine, own = view.layers[j].mlp.down_proj, m.layers[i].mlp.down_proj
+        assert mine is not own and mine._weight_ptr == own._weight_ptr
+        assert mine.decode_impl == want and own.decode_impl is None  # the verifier's as served
+    assert type(view.head) is kernel.KernelLinear and view.head._weight_ptr == m.head._weight_ptr
+    assert view.head.out_features == (view.config.draft_vocab_size or m.head.out_features)
+    if view.head.out_features < m.head.out_features:  # read in place where the layout allows
+        assert view.head.out_features == 64 and m.head.prefix(64) is not None
+    impls: list[str] = []
+    run = kernel._Plan.run
+
+    def spy(plan, *args):
+        if plan.key[2] == kernel._BF16:
+            impls.append(plan.impl)
+        run(plan, *args)
+
+    monkeypatch.setattr(kernel._Plan, "run", spy)
+    engine = MLXEngine(view)
+    engine.feed(_prompts()[1])
+    impls.clear()
+    engine.feed([7])  # a decoding pass: every bf16 product the one-row implementation's
+    assert impls and set(impls) == {want}
+    monkeypatch.setattr(kernel._Plan, "run", run)
+    _profiled(m)
+    layer_skip._MEMORY.clear()
+    for prompt in _prompts():
+        dec = make_decoder(MLXEngine(m), None, SamplingParams(), Speculation(method="self"))
+        assert [t for r in dec.run(prompt, 24) for t in r.tokens] == _plain_greedy(m, prompt, 24)
+    found = layer_skip.cached_skip_set(m)
+    assert found is not None and found.reading == "one-row" and "one-row" in found.describe()
+    assert "-shared-" in layer_skip.skip_set_path(m).name  # cached for the reading asked for
+
+
+def test_a_bad_self_reading_is_refused_naming_the_variable(tmp_path, monkeypatch):
+    from ondevice.errors import OndeviceError
+
+    m = load_model(tiny.write_model(tmp_path / "v", layers=4)).model
+    monkeypatch.setenv(layer_skip.READING_ENV, "fp8")
+    with pytest.raises(OndeviceError, match="ONDEVICE_SELF_READING='fp8': choose one of shared"):
+        make_decoder(MLXEngine(m), None, SamplingParams(), Speculation(method="self"))
 
 
 @needs_kernel

@@ -4,23 +4,25 @@ loaded.
 
 - `LayerSkipView`: a `Model` made of a subset of another model's layers. It holds the very
   same modules (the same weight arrays: nothing is copied) and has its own KV cache, over the
-  layers it keeps. Where the CPU kernel serves the verifier (bf16 weights), the view reads
-  int8 copies of the kept layers and of the head's first 65,536 rows instead (`int8_reading`):
-  a pass on the CPU is bound by the bytes it reads, and sharing the bf16 weights left a draft
-  step too dear for the agreement skipping leaves (predicted 0.85x plain); the copies cost
-  memory (about one byte per kept weight), the price of a draft with no weights of its own.
+  layers it keeps. A draft's rounding changes how often its guesses are accepted, never a
+  token of the output, so the view may read the kept layers another way (`Reading`, chosen by
+  `self_reading`): by default the verifier's own bf16 weights through the CPU kernel's fastest
+  one-row implementation where it is not the verifier's (AVX512-BF16 beside AMX: a step about
+  three quarters of a verifier pass, no byte of memory more), or, asked for with
+  `ONDEVICE_SELF_READING=int8`, int8 copies of the kept layers and of the head's first 65,536
+  rows (`int8_reading`: half the bytes a step, about one byte per kept weight of memory).
 - `search_skip_set`: which layers to skip, found by measurement. Over one text (the first
   prompt the method sees and the verifier's own greedy continuation of it), the draft's greedy
   token at each of its last positions is compared with the verifier's (teacher-forced
   agreement). Each middle layer is dropped alone, then layers are dropped cumulatively,
   least harmful first, until agreement falls below `MIN_AGREEMENT`; each set is scored by the
   tokens per second a draft chain of that agreement would give over plain decoding, with the
-  draft's cost the kept share of the verifier's weights (int8 copies: measured,
+  draft's cost the kept share of the verifier's weights (through a reading: measured,
   `measured_fraction`) and the verifier's measured pass costs (`runtime/pass_costs.py`).
   Deterministic where the costs are counted: the same weights, text and cost profile give the
   same set. The result is cached as JSON beside the pass-cost profiles
-  (`cache_dir()/profiles/skip-*.json`), keyed by the weights and the device, so the search
-  runs once per model; `ondevice doctor` lists what is cached (`pass_costs.cached_skip_sets`).
+  (`cache_dir()/profiles/skip-*.json`), keyed by the weights, the device and the reading
+  asked for, so the search runs once per model; `ondevice doctor` lists what is cached (`pass_costs.cached_skip_sets`).
 - `SelfDraftProposer`: on its first `reset`, finds (or reads) the skip set, then drafts the
   greedy path of the layer-skipped view with `DraftTreeProposer` (the draft machinery every
   draft model uses); the tree decoder verifies it losslessly, as it does every proposal.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -41,6 +44,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ondevice.errors import OndeviceError
 from ondevice.models.transformer import Model, as_mlx, norm_weights
 from ondevice.proposers.base import Unavailable, Verification, cost_budget, cost_rate
 from ondevice.proposers.draft_tree import DraftState, DraftTreeProposer
@@ -68,6 +72,8 @@ MAX_CHAIN = 8  # the longest draft chain the score considers
 # the cumulative drops stop once agreement falls below this: the score is not monotone in the
 # layers dropped (agreement falls first, the cost later), so no earlier stop is safe
 MIN_AGREEMENT = 0.3
+READING_ENV = "ONDEVICE_SELF_READING"  # how a self-draft reads the kept layers (`self_reading`)
+READINGS = ("shared", "int8")
 
 
 class _Layers(nn.Module):
@@ -83,8 +89,7 @@ class _Layers(nn.Module):
 class LayerSkipView(Model):
     """`model` with only the layers in `keep` (in order): the same modules and weight arrays,
     its own cache over the kept layers (`make_cache`). `reading`: other modules for some layers
-    and the head (`int8_reading`: int8 copies that read the same weights in half the bytes);
-    the embedding and everything else stay the model's own."""
+    and the head (`self_reading`); the embedding and everything else stay the model's own."""
 
     def __init__(self, model: Model, keep: Sequence[int], reading: Reading | None = None):
         nn.Module.__init__(self)  # not Model.__init__: that would allocate new weights
@@ -102,10 +107,35 @@ class LayerSkipView(Model):
 
 @dataclass
 class Reading:
-    """Other modules for a model's layers (by index) and its head, read by a `LayerSkipView`."""
+    """Other modules for a model's layers (by index) and its head, read by a `LayerSkipView`.
+    kind: `int8` (copies, `int8_reading`) or `one-row` (the same weights, `one_row_reading`)."""
 
     layers: dict[int, nn.Module]
     head: nn.Module
+    kind: str = "int8"
+
+
+def reading_asked() -> str:
+    """How a self-draft is asked to read the verifier's kept layers (`READING_ENV`): `shared`
+    (the default: the verifier's own weights, no memory more) or `int8` (copies)."""
+    want = os.environ.get(READING_ENV, "shared").strip().lower() or "shared"
+    if want not in READINGS:
+        raise OndeviceError(f"{READING_ENV}={want!r}: choose one of {', '.join(READINGS)}.")
+    return want
+
+
+def self_reading(model: Model, layers: Sequence[int], kind: str | None = None) -> Reading | None:
+    """The reading a self-draft of `model` uses for `layers` (and the head), None for the
+    verifier's own products. kind: a skip set's (`int8`, `one-row` or `shared`, as searched);
+    None: as asked (`reading_asked`): int8 copies where asked and the CPU kernel serves the
+    model, else the verifier's weights by the kernel's one-row implementation where it has one
+    (`one_row_reading`), else the verifier's products."""
+    if kind == "shared":
+        return None
+    if kind == "one-row":
+        return one_row_reading(model, layers)
+    found = int8_reading(model, layers) if (kind or reading_asked()) == "int8" else None
+    return found if found is not None or kind == "int8" else one_row_reading(model, layers)
 
 
 def copies_bytes(model: Model, keep: Sequence[int]) -> int:
@@ -115,6 +145,24 @@ def copies_bytes(model: Model, keep: Sequence[int]) -> int:
 
     rows = min(kernel.DRAFT_VOCAB, model.config.vocab_size)
     return sum(_size(model.layers[i]) for i in keep) + rows * model.config.hidden_size
+
+
+def one_row_reading(model: Model, layers: Sequence[int]) -> Reading | None:
+    """`layers` and the head read through the CPU kernel's one-row implementation where it is
+    not the one the verifier's passes get (`kernel.one_row_reading`: AVX512-BF16 beside AMX,
+    whose one-token pass reads the same weights in about three quarters of the time); the very
+    same weights, nothing copied; the head's first `kernel.DRAFT_VOCAB` rows only where they
+    are read in place (an int8 draft's vocabulary). None elsewhere (no such implementation,
+    MLX on Metal)."""
+    from ondevice.runtime import kernel
+
+    head = kernel.one_row_reading(model.head, kernel.DRAFT_VOCAB)
+    if head is None:
+        return None
+    found = {i: kernel.one_row_reading(model.layers[i]) for i in layers}
+    if any(c is None for c in found.values()):
+        return None
+    return Reading(found, head, "one-row")  # type: ignore[arg-type]
 
 
 def int8_reading(model: Model, layers: Sequence[int]) -> Reading | None:
@@ -256,7 +304,7 @@ def search_skip_set(
     return SkipSet(
         best[0], n, best[1], fraction(best[0]), best[2], len(ref), tried,
         verify is not None, f"{cfg.model_type} {cfg.hidden_size}x{n}",
-        "int8" if reading is not None else "shared",
+        reading.kind if reading is not None else "shared",
     )  # fmt: skip
 
 
@@ -273,16 +321,18 @@ def weights_fingerprint(model: Model) -> str:
 
 
 def skip_set_path(model: Model) -> Path:
-    return profile_path(device_name(), f"skip-{weights_fingerprint(model)}")
+    """Where the skip set of `model` for the reading asked for (`reading_asked`) is cached."""
+    return profile_path(device_name(), f"skip-{weights_fingerprint(model)}-{reading_asked()}")
 
 
-_MEMORY: dict[tuple[str, bool], SkipSet] = {}  # (fingerprint, costs profiled) -> this process's
+# (fingerprint, reading asked, costs profiled) -> this process's skip set
+_MEMORY: dict[tuple[str, str, bool], SkipSet] = {}
 
 
 def cached_skip_set(model: Model, *, cache: bool = True) -> SkipSet | None:
     """The skip set of `model` found earlier in this process or (with `cache`) cached on this
     device, or None: nothing is searched."""
-    key = (weights_fingerprint(model), cache)
+    key = (weights_fingerprint(model), reading_asked(), cache)
     if key in _MEMORY:
         return _MEMORY[key]
     path = skip_set_path(model) if cache else None
@@ -324,7 +374,7 @@ def load_skip_set(
     found = search_skip_set(model, search_text(model, prompt), verify, reading)
     if path is not None:
         save_profile(path, found.to_json())
-    _MEMORY[(weights_fingerprint(model), cache)] = found
+    _MEMORY[(weights_fingerprint(model), reading_asked(), cache)] = found
     return found
 
 
@@ -366,16 +416,14 @@ class SelfDraftProposer:
         if self.skip_set is None:
             self.skip_set = cached_skip_set(self.model, cache=self.cache)
         if self.skip_set is None:  # the search reads every layer as the draft will
-            reading = int8_reading(self.model, range(n))
+            reading = self_reading(self.model, range(n))
             self.skip_set = load_skip_set(
                 self.model, prompt, self.verify, cache=self.cache, reading=reading
             )
         keep = self.skip_set.keep
-        if self.skip_set.reading != "int8":
-            reading = None
-        elif reading is None:
-            reading = int8_reading(self.model, keep)
-        else:  # the skipped layers' copies go
+        if reading is None:
+            reading = self_reading(self.model, keep, self.skip_set.reading)
+        else:  # the skipped layers' readings go
             reading.layers = {i: reading.layers[i] for i in keep}
         view = LayerSkipView(self.model, keep, reading)
         cost = None
@@ -426,6 +474,7 @@ def build(res: Resources, spec: Speculation) -> SelfDraftProposer:
     if len(model.layers) < 2:
         raise Unavailable("method 'self' needs a verifier with at least two layers.")
     cache = res.verify_cost is not None
+    reading_asked()  # a bad value of its variable is refused here, not at the first round
     found = None
     if spec.method == "auto":
         found = cached_skip_set(model, cache=cache)

@@ -136,6 +136,7 @@ import functools
 import os
 import sys
 import threading
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -610,9 +611,14 @@ def decode_impl() -> str | None:
     want = os.environ.get(DECODE_ENV, "prompt").strip().lower() or "prompt"
     if want not in DECODE_CHOICES:
         raise ValueError(f"{DECODE_ENV}={want!r}: choose one of {', '.join(DECODE_CHOICES)}.")
-    if want == "prompt" or not {"amx_bf16", "avx512_bf16"} <= _cpu_flags():
-        return None
-    return AVX512_BF16
+    return None if want == "prompt" else one_row_impl()
+
+
+def one_row_impl() -> str | None:
+    """The oneDNN implementation that reads bf16 weights fastest in passes of one to a few rows
+    where it is not the one every pass gets: AVX512-BF16's on a CPU with AMX too (see "Prompts
+    apart" above: 140 ms against 185 for the 1.5B verifier's one-token pass); None elsewhere."""
+    return AVX512_BF16 if {"amx_bf16", "avx512_bf16"} <= _cpu_flags() else None
 
 
 def prompts_apart(model: nn.Module) -> bool:
@@ -1050,18 +1056,49 @@ class KernelLinear(nn.Module):
 
     def first_rows(self, x: mx.array, N: int) -> mx.array:
         """The outputs of W's first N rows only (a truncated-vocabulary head): a row-major
-        (N, K) matrix's first rows are a prefix of its buffer; a packed one's are not, so they
-        are copied once into a product of their own (a Medusa head's vocabulary subset)."""
+        (N, K) matrix's first rows are a prefix of its buffer; a packed one's are read in
+        place where its layout keeps them as one (`prefix`), else copied once into a product
+        of their own (a Medusa head's vocabulary subset)."""
         small = self.get("int8_rows")  # an int8 draft's head (`_draft_head`)
         if small is not None and N == small.out_features:
             return small(x)
         if self._packed and self._dtype == _BF16 and N < self.out_features:
             first = getattr(self, "_first", None)  # not a parameter (underscored)
             if first is None or first.out_features != N:
-                self._first = first = self.top(N, "bf16")
-                first.pack()
+                first = self.prefix(N)
+                if first is None:
+                    first = self.top(N, "bf16")
+                    first.pack()
+                self._first = first
             return first(x)
         return _like(x, np.array(self.product(x, N)))  # a copy: the plan's buffer is reused
+
+    def prefix(self, N: int) -> KernelLinear | None:
+        """A product over this packed one's first N outputs that reads them in place: oneDNN's
+        blocked layouts here keep whole blocks of outputs one after another, so the first N
+        rows of an (N0, K) weight, N a multiple of the block, are laid out exactly as a packed
+        (N, K) weight (checked on the layouts' own descriptions, `_OneDNN.offsets`); None
+        where they are not (then `top` copies them)."""
+        assert self._packed and N <= self.out_features
+        K = self.in_features
+        by_n, by_k = _dnnl.offsets(K, self.out_features, self._dtype)  # type: ignore[union-attr]
+        mine_n, mine_k = _dnnl.offsets(K, N, self._dtype)  # type: ignore[union-attr]
+        size = _dnnl.lib.dnnl_memory_desc_get_size(_dnnl.packed_layout(K, N, self._dtype))  # type: ignore[union-attr]
+        if not (
+            np.array_equal(by_k, mine_k)
+            and np.array_equal(by_n[:N], mine_n)
+            and size <= self._np_weight.nbytes
+        ):
+            return None
+        out = copy.copy(self)  # the same buffer (and pointers)
+        out.__class__ = KernelLinear  # a tied embedding's first rows: a product
+        out.out_features = N
+        if self._np_bias is not None:
+            out.bias = self.bias[:N]
+            out._pointers()
+        out.pop("int8_rows", None)
+        out.__dict__.pop("_first", None)
+        return out
 
     def product(self, x: mx.array | np.ndarray, N: int) -> np.ndarray:
         """The product of `x` (..., K) with W's first N rows as numpy (..., N), possibly a view
@@ -1479,7 +1516,8 @@ def int8_copy(module: nn.Module, rows: int | None = None) -> nn.Module | None:
     """An int8 reading of a served module: a copy whose bf16 or float32 products are int8
     copies (`KernelLinear.top`), sharing every other part (norms, rotary tables, attention), or
     None where the kernel does not serve it in bf16 or float32 (MLX on Metal, an int8 model).
-    For a draft that is the model itself (method `self`): its step reads half the bytes.
+    For a draft that is the model itself (method `self`): its step reads half the bytes, in
+    memory of its own (about a byte per weight).
 
     rows: for a head (a `KernelLinear`, or the tied embedding), its first `rows` outputs only,
     as an int8 draft's head (`_draft_head`)."""
@@ -1487,7 +1525,55 @@ def int8_copy(module: nn.Module, rows: int | None = None) -> nn.Module | None:
         if module._dtype == _S8:
             return None
         return module.top(min(rows or module.out_features, module.out_features), "int8")
-    if not any(isinstance(m, KernelLinear) and m._dtype != _S8 for _, m in module.named_modules()):
+    return _copy_products(
+        module,
+        lambda m: m._dtype != _S8,
+        lambda m: m.top(m.out_features, "int8") if m._dtype != _S8 else m,
+    )
+
+
+def one_row_reading(module: nn.Module, rows: int | None = None) -> nn.Module | None:
+    """A reading of a served module's bf16 products by `one_row_impl()` in decoding passes:
+    the very same weights (nothing is copied; a tied embedding is read as the head it is), a
+    different instruction set, so other rounding. For a draft that is the model itself (method
+    `self`): a draft's rounding changes how often its guesses are accepted, never a token of
+    the output, so it may read the verifier's weights by whatever reads them fastest. None
+    where there is no such implementation or the kernel does not serve the module in bf16.
+
+    rows: for a packed head, its first `rows` outputs only where they are read in place
+    (`KernelLinear.prefix`), as an int8 draft's head (`_draft_head`); else all of them."""
+    impl = one_row_impl()
+    if impl is None:
+        return None
+
+    def read(m: KernelLinear) -> KernelLinear:
+        if m._dtype != _BF16:
+            return m
+        out = copy.copy(m)  # the same weights and plans' key, another implementation
+        out.__class__ = KernelLinear  # a tied embedding read as the head: its products
+        out.decode_impl = impl
+        return out
+
+    if isinstance(module, KernelLinear):
+        if module._dtype != _BF16:
+            return None
+        if rows is not None and module._packed and rows < module.out_features:
+            first = module.prefix(rows)
+            if first is not None:
+                return read(first)
+        return read(module)
+    return _copy_products(module, lambda m: m._dtype == _BF16, read)
+
+
+def _copy_products(
+    module: nn.Module,
+    wanted: Callable[[KernelLinear], bool],
+    make: Callable[[KernelLinear], KernelLinear],
+) -> nn.Module | None:
+    """A copy of `module` whose `KernelLinear`s are `make(m)` (a joint product's parts follow
+    their product), sharing every module without one (norms, rotary tables, attention); None
+    where no product is `wanted(m)`."""
+    if not any(isinstance(m, KernelLinear) and wanted(m) for _, m in module.named_modules()):
         return None
     memo: dict[int, Any] = {}
 
@@ -1498,7 +1584,7 @@ def int8_copy(module: nn.Module, rows: int | None = None) -> nn.Module | None:
             if isinstance(m, KernelPart):
                 memo[id(m)] = KernelPart(copy_of(m._joint), m._lo, m._hi, owner="joint" in m)
             elif isinstance(m, KernelLinear):
-                memo[id(m)] = m.top(m.out_features, "int8") if m._dtype != _S8 else m
+                memo[id(m)] = make(m)
             elif not any(isinstance(x, KernelLinear) for _, x in m.named_modules()):
                 memo[id(m)] = m  # nothing to copy: shared
             else:

@@ -503,8 +503,10 @@ class SkipSet:
     agreement: the share of positions where the draft's greedy token is the verifier's.
     draft_fraction: a draft pass's cost as a share of a verifier pass (the kept share of the
         weights read, or measured where the draft reads int8 copies).
-    reading: `shared` (the draft reads the verifier's weights) or `int8` (int8 copies of the
-        kept layers and of the head's first rows, where the CPU kernel serves the verifier).
+    reading: `shared` (the draft computes with the verifier's own products), `one-row` (the
+        verifier's weights through the CPU kernel's one-row implementation) or `int8` (int8
+        copies of the kept layers and of the head's first rows), as searched
+        (`layer_skip.self_reading`).
     speedup: the predicted tokens per second over plain decoding of a draft chain with that
         agreement (the best chain length the search tried; below 1: none pays). tried: [skip, agreement, speedup] of
         every set measured, in order. tokens: positions compared.
@@ -519,7 +521,7 @@ class SkipSet:
     tried: list[list] = field(default_factory=list)
     cost_profile: bool = True
     model: str = ""  # which model, for people (architecture and sizes)
-    reading: str = "shared"  # the draft reads the verifier's own weights, or int8 copies
+    reading: str = "shared"  # see above
 
     @property
     def keep(self) -> list[int]:
@@ -539,7 +541,10 @@ class SkipSet:
         return s
 
     def describe(self) -> str:
-        copies = ", int8 copies of the kept layers" if self.reading == "int8" else ""
+        copies = {
+            "int8": ", int8 copies of the kept layers",
+            "one-row": ", the verifier's weights read by the kernel's one-row implementation",
+        }.get(self.reading, "")
         return (
             f"{self.model + ': ' if self.model else ''}skips {len(self.skip)} of {self.layers} "
             f"layers {self.skip}{copies}: greedy agreement "
