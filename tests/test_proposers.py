@@ -714,6 +714,27 @@ def test_a_dynamic_tree_says_how_many_tokens_it_expects_by_its_calibration():
     assert static.expected is None  # no estimates: nothing promised
 
 
+def test_an_unsure_drafts_estimates_rise_when_the_verifier_follows_it():
+    """Calibration goes both ways: a draft whose probabilities are low but whose guesses the
+    verifier keeps taking (the verifier itself with a layer or two skipped, method `self`) is
+    trusted more than its raw confidence, so its chains grow; capped at its raw confidence,
+    such a draft kept proposing one token a round at 0.95 acceptance."""
+    state = DraftState(TreeTableEngine.cycle(sharp=1.0), V)  # top-1 probability about 0.2
+    chain = DraftTreeProposer(state, V, SamplingParams(), mode="dynamic", depth=4, topk=1,
+                              budget=4)  # fmt: skip
+    seq = [5, 6, 7, 8, 5]
+    chain.reset(seq)
+    tree = chain.propose(seq, 4, PositionNoise(0))
+    first = chain.expected
+    assert first is not None and first < 2.0
+    for _ in range(4):  # the verifier takes every guess
+        path = list(range(1, len(tree)))
+        chain.observe(seq, tree, Verification(path, 0, np.zeros(len(tree), int)))
+        seq = [*seq, *(tree.tokens[n] for n in path), 0]
+        tree = chain.propose(seq, 4, PositionNoise(0))
+    assert chain.calibration(1) > 1.5 and chain.expected > first + 0.4
+
+
 # -- cost profiles ----------------------------------------------------------------------------------
 
 

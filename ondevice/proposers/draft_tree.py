@@ -275,8 +275,11 @@ class DraftTreeProposer:
         return self.chooser.ranking(logits, self._seq, tree.path_tokens(node))
 
     def calibration(self, depth: int) -> float:
+        """How far the verifier follows the draft's probabilities at `depth`: above 1 where it
+        takes more than they promise (an unsure draft, the verifier with a layer skipped; a
+        node's value still never exceeds its parent's, so never 1)."""
         d = min(depth, len(self.predicted) - 1)
-        return float(min(1.0, self.realised[d] / self.predicted[d]))
+        return float(self.realised[d] / self.predicted[d])
 
     def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
         root_logits = self.state.sync(seq)
