@@ -277,7 +277,7 @@ class DraftTreeProposer:
     def calibration(self, depth: int) -> float:
         """How far the verifier follows the draft's probabilities at `depth`: above 1 where it
         takes more than they promise (an unsure draft, the verifier with a layer skipped; a
-        node's value still never exceeds its parent's, so never 1)."""
+        node's value still never exceeds its parent's, so it stays at most 1)."""
         d = min(depth, len(self.predicted) - 1)
         return float(self.realised[d] / self.predicted[d])
 
