@@ -87,6 +87,9 @@ uncached request would. A decoding pass over more than `ROWS` tokens runs in chu
 as its own passes do. Plain decoding runs a third faster that way, speculative decoding about
 as fast (its rounds shrink to the dearer multi-token passes), and a conversation pays the
 answer's prefill at its next turn, so the default keeps one implementation for every pass.
+A draft that is the verifier itself (method `self`) needs no such agreement, its rounding
+changing only how often its guesses are accepted: it reads the verifier's weights through
+AVX512-BF16 wherever the CPU has AMX (`one_row_reading`), nothing copied.
 
 Memory: a loader that is told `weight_dtype()` (`ondevice.load` does) rounds each linear weight
 and the embedding to bfloat16 as it reads it (models/weights.py), so no float32 copy of the
