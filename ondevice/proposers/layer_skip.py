@@ -156,31 +156,37 @@ def one_row_reading(model: Model, layers: Sequence[int]) -> Reading | None:
     MLX on Metal)."""
     from ondevice.runtime import kernel
 
-    head = kernel.one_row_reading(model.head, kernel.DRAFT_VOCAB)
-    if head is None:
-        return None
-    found = {i: kernel.one_row_reading(model.layers[i]) for i in layers}
-    if any(c is None for c in found.values()):
-        return None
-    return Reading(found, head, "one-row")  # type: ignore[arg-type]
+    return _read_through(model, layers, kernel.one_row_reading, "one-row")
 
 
 def int8_reading(model: Model, layers: Sequence[int]) -> Reading | None:
     """int8 copies of `layers` and of the head's first `kernel.DRAFT_VOCAB` rows, where the CPU
     kernel serves the model in bf16 or float32 (`kernel.int8_copy`); None elsewhere (MLX on
-    Metal reads the shared weights). On the CPU a draft pass is bound by the bytes it reads:
-    a self-draft sharing the verifier's bf16 weights costs its kept share of a pass, too much
-    for the agreement left after skipping layers (predicted 0.85x plain: docs/benchmarks.md,
-    "Issue 30, session 12"); in int8 it costs about half."""
+    Metal). On the CPU a draft pass is bound by the bytes it reads: in int8 a step costs about
+    half of what reading the verifier's bf16 weights does, for about a byte of memory per
+    kept weight (docs/benchmarks.md, "Issue 30, session 12")."""
     from ondevice.runtime import kernel
 
-    head = kernel.int8_copy(model.head, kernel.DRAFT_VOCAB)
+    return _read_through(model, layers, kernel.int8_copy, "int8")
+
+
+def _read_through(
+    model: Model,
+    layers: Sequence[int],
+    read: Callable[..., nn.Module | None],
+    kind: str,
+) -> Reading | None:
+    """A `Reading` of `layers` and of the head (its first `kernel.DRAFT_VOCAB` rows where `read`
+    can keep only those) made by `read(module[, rows])`; None where it cannot read one."""
+    from ondevice.runtime import kernel
+
+    head = read(model.head, kernel.DRAFT_VOCAB)
     if head is None:
         return None
-    copies = {i: kernel.int8_copy(model.layers[i]) for i in layers}
-    if any(c is None for c in copies.values()):
+    found = {i: read(model.layers[i]) for i in layers}
+    if any(c is None for c in found.values()):
         return None
-    return Reading(copies, head)  # type: ignore[arg-type]
+    return Reading(found, head, kind)  # type: ignore[arg-type]
 
 
 # -- the search -----------------------------------------------------------------------------------
