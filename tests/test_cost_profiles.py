@@ -291,17 +291,28 @@ def test_auto_builds_every_registered_candidate_and_says_why_it_left_one_out(ver
             registry.unregister(name)
 
 
-def test_auto_with_a_draft_keeps_its_candidates_and_adds_a_cached_self(verifier, tmp_path):
+def test_auto_with_a_draft_drafts_with_it_and_leaves_the_verifiers_own_layers_out(
+    verifier, tmp_path
+):
+    """The draft's one candidate, its tree, first (the likeliest to pay gets the first tries),
+    then the others; the greedy path and the cascade are readings of the tree's guesses
+    (docs/benchmarks.md, "Issue 26, session 16"). Lookahead and `self`, even with a skip set
+    cached that pays, are left out beside a draft, saying so: a try of `self` costs a catch-up
+    over the whole prompt through most of the verifier's layers (docs/benchmarks.md, "Issue 30,
+    session 19")."""
     draft = MLXEngine(load_model(tiny.write_model(tmp_path / "d", seed=4, layers=1)).model)
-    _, names = _auto(verifier, draft)
-    # the draft's one candidate, its tree, first (the likeliest to pay gets the first tries),
-    # then the others; the greedy path and the cascade are readings of the tree's guesses
-    # (docs/benchmarks.md, "Issue 26, session 16")
-    assert names == ["plain", "tree", "pld"]
     _cache_skip_set(verifier, 1.3)
-    dec, with_self = _auto(verifier, draft)
-    assert with_self == [*names, "self"]
-    assert set(dec.proposer.left_out) == {"lookahead", "medusa"}
+    dec, names = _auto(verifier, draft)
+    assert names == ["plain", "tree", "pld"]
+    left_out = dec.proposer.left_out
+    assert set(left_out) == {"lookahead", "medusa", "self"}
+    assert (
+        left_out["self"]
+        == left_out["lookahead"]
+        == ("a draft model is loaded: auto drafts with it instead")
+    )
+    _, alone = _auto(verifier)  # without the draft the cached skip set is taken
+    assert "self" in alone
     assert registry.METHODS["self"].in_auto and not registry.METHODS["tree"].in_auto
 
 

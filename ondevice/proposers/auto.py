@@ -38,15 +38,8 @@ class AutoProposer:
     well when it finds a passage is not averaged down by the rounds it finds none (one-model
     `auto` lost to prompt lookup alone that way: docs/benchmarks.md, "Issue 30, session 9").
     Each other candidate is tried up to `explore` rounds (first tries of all before second
-    ones); afterwards the one with the best tokens per second (tokens per round over seconds
-    per round, each an exponential average over rounds, so a score last updated long ago counts
-    for little against a fresh try) proposes. The average spans about ten rounds (`decay` 0.9):
-    a tree's rounds give anything from 1 to 9 tokens, and over about five (0.8) one unlucky
-    round of the tree, back as the best after a few rounds of Medusa's heads, weighed four times
-    its record and handed the heads the next 14 rounds of a Spec-Bench stem answer (10% below
-    the tree alone; modelled over Spec-Bench dev and the held-out prompts, auto against the
-    tree went from -1.3% and -1.0% to +0.0% and -0.5%: docs/benchmarks.md, "Issue 26, session
-    19"). A losing
+    ones); afterwards the one with the best tokens per second (tokens per round over seconds per round, each an exponential average over rounds, so
+    a score last updated long ago counts for little against a fresh try) proposes. A losing
     candidate gets one round again after `period` rounds of the others (at most one such
     re-check per `period` rounds, the least recently tried first), so a change in the text (a
     passage to copy, say) is noticed; each re-check it loses doubles its wait, up to
@@ -118,7 +111,7 @@ class AutoProposer:
         explore: int = 2,
         period: int = 16,
         max_backoff: int = 8,
-        decay: float = 0.9,
+        decay: float = 0.8,
         explore_share: float = EXPLORE_SHARE,
         left_out: dict[str, str] | None = None,
         memory: dict[str, tuple[float, float, int]] | None = None,

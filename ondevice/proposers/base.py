@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -50,6 +50,17 @@ class Unavailable(OndeviceError):
     candidates with `Speculation.method == "auto"`; a builder whose resources are costly to
     get (a search, training) uses only what is cached then and raises this otherwise, and
     `auto` leaves the method out and records why (`stats["auto_left_out"]`)."""
+
+
+def not_beside_a_draft(res: Any, spec: Any) -> None:
+    """Raise `Unavailable` where `auto` builds a one-model candidate whose guesses a loaded draft
+    model makes better and cheaper (lookahead's Jacobi window, the verifier's own layers): the
+    draft's tree takes its place. A try of one there is a round lost, and for `self` a catch-up
+    over the whole prompt through most of the verifier's layers too (a held-out stem answer
+    1.37x plain where the tree alone made 1.59x: docs/benchmarks.md, "Issue 30, session
+    19")."""
+    if spec.method == "auto" and res.draft is not None:
+        raise Unavailable("a draft model is loaded: auto drafts with it instead")
 
 
 @dataclass

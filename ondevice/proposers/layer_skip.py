@@ -46,7 +46,13 @@ from mlx.utils import tree_flatten
 
 from ondevice.errors import OndeviceError
 from ondevice.models.transformer import Model, as_mlx, norm_weights
-from ondevice.proposers.base import Unavailable, Verification, cost_budget, cost_rate
+from ondevice.proposers.base import (
+    Unavailable,
+    Verification,
+    cost_budget,
+    cost_rate,
+    not_beside_a_draft,
+)
 from ondevice.proposers.draft_tree import DraftState, DraftTreeProposer
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
@@ -479,6 +485,7 @@ def build(res: Resources, spec: Speculation) -> SelfDraftProposer:
         )
     if len(model.layers) < 2:
         raise Unavailable("method 'self' needs a verifier with at least two layers.")
+    not_beside_a_draft(res, spec)
     cache = res.verify_cost is not None
     reading_asked()  # a bad value of its variable is refused here, not at the first round
     found = None

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ondevice.proposers.base import Unavailable, Verification
+from ondevice.proposers.base import Verification, not_beside_a_draft
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.pass_costs import CostProfile
@@ -111,8 +111,7 @@ class Lookahead:
 def build(res: Resources, spec: Speculation) -> Lookahead:
     """The "lookahead" method: num_draft_tokens + 1 is the n-gram length (default 4). Not a
     candidate of `auto` beside a draft model: the draft's own guesses take its place."""
-    if spec.method == "auto" and res.draft is not None:
-        raise Unavailable("a draft model is loaded: auto drafts with it instead")
+    not_beside_a_draft(res, spec)
     return Lookahead(**lookahead_size(res.verify_cost, spec.num_draft_tokens))
 
 
