@@ -22,7 +22,8 @@ loaded.
   Deterministic where the costs are counted: the same weights, text and cost profile give the
   same set. The result is cached as JSON beside the pass-cost profiles
   (`cache_dir()/profiles/skip-*.json`), keyed by the weights, the device and the reading
-  asked for, so the search runs once per model; `ondevice doctor` lists what is cached (`pass_costs.cached_skip_sets`).
+  asked for, so the search runs once per model; `ondevice doctor` lists what is cached
+  (`pass_costs.cached_skip_sets`).
 - `SelfDraftProposer`: on its first `reset`, finds (or reads) the skip set, then drafts the
   greedy path of the layer-skipped view with `DraftTreeProposer` (the draft machinery every
   draft model uses); the tree decoder verifies it losslessly, as it does every proposal.
