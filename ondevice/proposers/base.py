@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from ondevice.errors import OndeviceError
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.pass_costs import CostProfile, best_rate, best_size
+
+if TYPE_CHECKING:
+    from ondevice.proposers.resources import Resources, Speculation
 
 # the most tokens a draft model guesses ahead in one round: the chain's longest block and a
 # dynamic tree's deepest level (both stop sooner where the costs say it does not pay)
@@ -52,7 +55,7 @@ class Unavailable(OndeviceError):
     `auto` leaves the method out and records why (`stats["auto_left_out"]`)."""
 
 
-def not_beside_a_draft(res: Any, spec: Any) -> None:
+def not_beside_a_draft(res: Resources, spec: Speculation) -> None:
     """Raise `Unavailable` where `auto` builds a one-model candidate whose guesses a loaded draft
     model makes better and cheaper (lookahead's Jacobi window, the verifier's own layers): the
     draft's tree takes its place. A try of one there is a round lost, and for `self` a catch-up

@@ -137,12 +137,15 @@ def self_reading(model: Model, layers: Sequence[int], kind: str | None = None) -
     None: as asked (`reading_asked`): int8 copies where asked and the CPU kernel serves the
     model, else the verifier's weights by the kernel's one-row implementation where it has one
     (`one_row_reading`), else the verifier's products."""
-    if kind == "shared":
-        return None
-    if kind == "one-row":
+    if kind is None:  # as asked: copies where they can be made, else the one-row reading
+        if reading_asked() == "int8":
+            found = int8_reading(model, layers)
+            if found is not None:
+                return found
         return one_row_reading(model, layers)
-    found = int8_reading(model, layers) if (kind or reading_asked()) == "int8" else None
-    return found if found is not None or kind == "int8" else one_row_reading(model, layers)
+    if kind == "int8":
+        return int8_reading(model, layers)
+    return one_row_reading(model, layers) if kind == "one-row" else None
 
 
 def copies_bytes(model: Model, keep: Sequence[int]) -> int:

@@ -1093,8 +1093,7 @@ class KernelLinear(nn.Module):
             and size <= self._np_weight.nbytes
         ):
             return None
-        out = copy.copy(self)  # the same buffer (and pointers)
-        out.__class__ = KernelLinear  # a tied embedding's first rows: a product
+        out = _as_product(self)
         out.out_features = N
         if self._np_bias is not None:
             out.bias = self.bias[:N]
@@ -1552,8 +1551,7 @@ def one_row_reading(module: nn.Module, rows: int | None = None) -> nn.Module | N
     def read(m: KernelLinear) -> KernelLinear:
         if m._dtype != _BF16:
             return m
-        out = copy.copy(m)  # the same weights and plans' key, another implementation
-        out.__class__ = KernelLinear  # a tied embedding read as the head: its products
+        out = _as_product(m)  # the same weights, another implementation
         out.decode_impl = impl
         return out
 
@@ -1562,10 +1560,19 @@ def one_row_reading(module: nn.Module, rows: int | None = None) -> nn.Module | N
             return None
         if rows is not None and module._packed and rows < module.out_features:
             first = module.prefix(rows)
-            if first is not None:
-                return read(first)
+            if first is not None:  # already its own copy
+                first.decode_impl = impl
+                return first
         return read(module)
     return _copy_products(module, lambda m: m._dtype == _BF16, read)
+
+
+def _as_product(m: KernelLinear) -> KernelLinear:
+    """A shallow copy of `m` (the same weight buffer, pointers and bias) that is a plain
+    `KernelLinear`: a tied embedding's copy computes the head's products, not lookups."""
+    out = copy.copy(m)
+    out.__class__ = KernelLinear
+    return out
 
 
 def _copy_products(
