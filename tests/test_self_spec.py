@@ -105,6 +105,78 @@ def test_the_draft_shares_the_verifiers_weight_arrays(model):
     assert mx.allclose(view(toks), head(h), atol=1e-5)
 
 
+def test_the_draft_reads_the_verifiers_cache_and_leaves_it_as_it_found_it(model):
+    """The draft keeps no cache of its own: its kept layers' keys and values of the committed
+    sequence are the verifier's. A round feeds it the root alone (no catch-up on the prompt or
+    the accepted tokens) and forgets its rows before the verifier's pass, whose rows are then
+    exactly those of a verifier that never had a draft."""
+    ver = MLXEngine(model)
+    dec = make_decoder(ver, None, SamplingParams(), Speculation(method="self"), seed=0)
+    prompt = _prompts()[2]
+    dec.prefill(list(prompt))
+    proposer = dec.proposer
+    state = proposer.state
+    assert state.tokens == [] and ver.length == len(prompt) - 1  # nothing fed for the prompt
+    borrowed = state.engine.engine.cache.layers
+    assert all(c is ver.cache.layers[i] for c, i in zip(borrowed, proposer.skip_set.keep))
+    sizes: list[int] = []  # the tokens of each draft pass
+    for name in ("feed", "feed_masked"):
+        real = getattr(state.engine, name)
+        setattr(
+            state.engine,
+            name,
+            lambda t, *a, real=real, **k: sizes.append(len(t)) or real(t, *a, **k),
+        )
+    alone = MLXEngine(model)  # the same verifier, no draft beside it
+    alone.feed(prompt[:-1])
+    seq, fed = list(prompt), []
+    for _ in range(6):
+        held = ver.length
+        before = [np.array(c.keys[..., :held, :]) for c in ver.cache.layers]
+        tree = proposer.propose(seq, 8, dec.chooser.noise)
+        fed.append(len(state.tokens) - held)  # nothing left of the round's feeding
+        assert ver.length == held and all(c.offset == held for c in ver.cache.layers)
+        for c, b in zip(ver.cache.layers, before):  # not a row of the verifier's written
+            assert np.array_equal(np.array(c.keys[..., :held, :]), b)
+        verdict = dec.verify(seq, tree)
+        proposer.observe(seq, tree, verdict)
+        new = [tree.tokens[n] for n in verdict.path] + [verdict.token]
+        # the verifier's rows equal those of the verifier alone fed the same tokens
+        alone.feed([seq[-1], *new[:-1]])
+        for c, a in zip(ver.cache.layers, alone.cache.layers):
+            assert mx.allclose(mx.array(c.keys[..., : ver.length, :]), a.keys[..., : ver.length, :])
+        seq += new
+    assert fed == [0] * 6
+    assert len(sizes) >= 6 and set(sizes) == {1}  # the root, then one guess a pass: a chain
+
+
+def test_the_search_scores_the_draft_as_its_rounds_compute(model):
+    """The search's one masked pass gives each scored position what a round's first step gives
+    it: the draft over that token alone, beside the verifier's keys and values before it."""
+    text = layer_skip.search_text(model, _prompts()[1])
+    keep = [i for i in range(LAYERS) if i not in (2, 3)]
+    context = MLXEngine(model)
+    context.feed(text, last_only=True)
+    view = layer_skip.LayerSkipView(model, keep, cache_of=lambda: context.cache)
+    rows = 8
+    got = layer_skip._draft_rows(view, text, rows)
+    assert context.length == len(text)  # its rows forgotten
+    want = []
+    for p in range(len(text) - rows, len(text)):
+        ver = MLXEngine(model)
+        ver.feed(text[:p])
+        v = layer_skip.LayerSkipView(model, keep, cache_of=lambda ver=ver: ver.cache)
+        state = layer_skip.SharedCacheState(MLXEngine(v), model.config.vocab_size)
+        state.reset(text[: p + 1])
+        want.append(state.sync(text[: p + 1]))
+        state.release()
+        assert ver.length == p
+    assert np.allclose(got, np.stack(want), atol=1e-4)
+    # not what the draft over its own cache computes (its keys drift from the verifier's)
+    own = layer_skip.LayerSkipView(model, keep)(mx.array([text]))[0, -rows:]
+    assert not np.allclose(np.array(own), got, atol=1e-2)
+
+
 def test_the_search_is_cached_and_reused(model, monkeypatch):
     layer_skip._MEMORY.clear()
     path = layer_skip.skip_set_path(model)
@@ -351,22 +423,25 @@ PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]
 @pytest.mark.slow
 def test_sampled_self_speculation_matches_the_verifier_distribution(tmp_path):
     cfg = {**tiny.SMALL_VOCAB, "layers": 3}
-    ver = MemoEngine(load_model(tiny.write_model(tmp_path / "v", scale=0.6, **cfg)).model)
+    model = load_model(tiny.write_model(tmp_path / "v", scale=0.6, **cfg)).model
+    ver = MLXEngine(model)  # the self-draft reads its cache
+    ver.feed(PROMPT[:-1])  # once: each generation resumes from it
     params = SamplingParams(1.0)
     counts: Counter = Counter()
     drafted = accepted = 0
     for seed in range(N_SAMPLES):
         spec = Speculation(method="self", num_draft_tokens=3, profile=False)
         dec = make_decoder(ver, None, params, spec, seed=seed)
+        ver.trim(ver.length - (len(PROMPT) - 1))
         toks: list[int] = []
-        for r in dec.run(PROMPT, 3):
+        for r in dec.run(PROMPT, 3, resume=True):
             toks.extend(r.tokens)
             if len(toks) >= 2:
                 break
         counts[tuple(toks[:2])] += 1
         drafted, accepted = drafted + dec.stats.drafted, accepted + dec.stats.accepted
     assert drafted > N_SAMPLES and accepted > N_SAMPLES // 50
-    exact = dict(np.ndenumerate(exact_joint(ver, PROMPT, params)))
+    exact = dict(np.ndenumerate(exact_joint(MemoEngine(model), PROMPT, params)))
     assert chi_square_p(counts, exact) > 0.001
 
 

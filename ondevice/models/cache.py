@@ -14,7 +14,7 @@ cost an MLX evaluation per layer and pass). A cache fed the other kind converts 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -183,3 +183,18 @@ class KVCache:
         if n == 0:
             return KVCache(len(self.layers))
         return KVCache.holding(self.prefix(n))
+
+
+class BorrowedCache(KVCache):
+    """Some layers of another model's cache: the very `LayerCache` objects of `owner()`'s layers
+    `layers`, in order, looked up on every use (the owner's engine may swap its cache: a reset, a
+    prompt-cache restore). What a self-draft reads and writes (`proposers/layer_skip.py`): the
+    committed sequence's keys and values are the verifier's own."""
+
+    def __init__(self, owner: Callable[[], KVCache], layers: Sequence[int]) -> None:
+        self._owner, self._layers = owner, [int(i) for i in layers]
+
+    @property
+    def layers(self) -> list[LayerCache]:  # type: ignore[override]
+        held = self._owner().layers
+        return [held[i] for i in self._layers]

@@ -46,6 +46,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ondevice.errors import OndeviceError
+from ondevice.models.cache import BorrowedCache, KVCache
 from ondevice.models.transformer import Model, as_mlx, norm_weights
 from ondevice.proposers.base import (
     Unavailable,
@@ -94,13 +95,22 @@ class _Layers(nn.Module):
 
 
 class LayerSkipView(Model):
-    """`model` with only the layers in `keep` (in order): the same modules and weight arrays,
-    its own cache over the kept layers (`make_cache`). `reading`: other modules for some layers
-    and the head (`self_reading`); the embedding and everything else stay the model's own."""
+    """`model` with only the layers in `keep` (in order): the same modules and weight arrays.
+    `reading`: other modules for some layers and the head (`self_reading`); the embedding and
+    everything else stay the model's own. Its cache (`make_cache`) is its own over the kept
+    layers, or with `cache_of` those layers of the cache `cache_of()` returns (`BorrowedCache`:
+    the verifier's, see `SharedCacheState`)."""
 
-    def __init__(self, model: Model, keep: Sequence[int], reading: Reading | None = None):
+    def __init__(
+        self,
+        model: Model,
+        keep: Sequence[int],
+        reading: Reading | None = None,
+        cache_of: Callable[[], KVCache] | None = None,
+    ):
         nn.Module.__init__(self)  # not Model.__init__: that would allocate new weights
         self.keep = [int(i) for i in keep]
+        self._cache_of = cache_of
         self.config = replace(model.config, num_hidden_layers=len(self.keep))
         self.model = _Layers(model.model, self.keep, reading.layers if reading else {})
         if reading is not None:  # its own head: untied from the embedding it still looks up
@@ -110,6 +120,11 @@ class LayerSkipView(Model):
             self.lm_head = reading.head
         elif not model.config.tie_word_embeddings:
             self.lm_head = model.lm_head
+
+    def make_cache(self) -> KVCache:
+        if self._cache_of is None:
+            return super().make_cache()
+        return BorrowedCache(self._cache_of, self.keep)
 
 
 @dataclass
@@ -239,6 +254,24 @@ def _greedy_rows(model: Model, tokens: Sequence[int], rows: int) -> np.ndarray:
     return np.array(mx.argmax(head(h), axis=-1))
 
 
+def _draft_rows(view: LayerSkipView, text: Sequence[int], rows: int) -> np.ndarray:
+    """A self-draft's logits after each of the last `rows` prefixes of `text`, each as a
+    round's first step computes it (`SharedCacheState`): over that position's token alone,
+    attending to the verifier's keys and values of the positions before it. One masked pass of
+    `view`, whose cache is borrowed from a verifier's that holds all of `text`: each row sees
+    the positions before its own and, of its own, the draft's row only."""
+    T = len(text)
+    engine = tree_engine(MLXEngine(view))
+    assert engine.length == T, "the borrowed cache must hold the whole text"
+    positions = np.arange(T - rows, T)
+    visible = np.zeros((rows, T + rows), dtype=bool)
+    visible[:, :T] = np.arange(T) < positions[:, None]
+    visible[np.arange(rows), T + np.arange(rows)] = True
+    logits = engine.feed_masked(list(text[T - rows :]), positions, visible)  # type: ignore[attr-defined]
+    engine.trim(rows)
+    return logits
+
+
 def search_text(model: Model, prompt: Sequence[int]) -> list[int]:
     """The text the search compares on: the prompt's tail and the verifier's greedy
     continuation of it (what a draft meets while decoding)."""
@@ -292,10 +325,13 @@ def search_skip_set(
     candidates = list(range(1, n - 1)) if n > 2 else [1]
     rows = min(SCORED, len(text) - min(4, len(text) - 1))  # not the first few: too little context
     ref = _greedy_rows(model, text, rows)
+    context = MLXEngine(model)  # the verifier's keys and values of the text, as a draft reads them
+    context.feed(list(text), last_only=True)
 
     def measure(skip: list[int]) -> tuple[float, float]:
         keep = [i for i in range(n) if i not in set(skip)]
-        agree = float(np.mean(_greedy_rows(LayerSkipView(model, keep, reading), text, rows) == ref))
+        view = LayerSkipView(model, keep, reading, cache_of=lambda: context.cache)
+        agree = float(np.mean(np.argmax(_draft_rows(view, text, rows), axis=-1) == ref))
         return agree, predicted_speedup(agree, fraction(skip), verify)
 
     tried: list[list] = []
@@ -329,11 +365,16 @@ def search_skip_set(
 
 def weights_fingerprint(model: Model) -> str:
     """What identifies a model's weights cheaply: its shapes and dtype (`engine_key`) and the
-    values of its norms and first embedding rows (a fine-tune changes them), as looked up."""
+    values of its norms and first embedding rows (a fine-tune changes them), as looked up.
+    Kept on the model object: each generation's `self` asks for it, and it walks every module."""
+    known = getattr(model, "_skip_fingerprint", None)
+    if known is not None:
+        return known
     h = hashlib.sha256(engine_key(MLXEngine(model)).encode())
     for a in [as_mlx(model.model.embed_tokens(mx.arange(4))), *norm_weights(model)]:
         h.update(np.array(a.astype(mx.float32)).tobytes())
-    return h.hexdigest()[:16]
+    model._skip_fingerprint = h.hexdigest()[:16]
+    return model._skip_fingerprint
 
 
 def skip_set_path(model: Model) -> Path:
@@ -397,6 +438,46 @@ def load_skip_set(
 # -- the proposer ---------------------------------------------------------------------------------
 
 
+class SharedCacheState(DraftState):
+    """A self-draft's state over the verifier's own cache (a `LayerSkipView` with `cache_of`):
+    the kept layers' keys and values of the committed sequence are the verifier's, written by
+    its prefill and its verification passes, so the draft never feeds an accepted token or the
+    prompt (an own cache fed both: a round's first step ran over two tokens, 0.9 of a verifier
+    pass where one costs 0.65, and `auto` switching to it paid a pass over the whole prompt:
+    docs/benchmarks.md, "Issue 30, session 19"), and each guess reads the verifier's exact
+    context rather than the skipped layers' drift. A round feeds the sequence's last token (the
+    verifier feeds it with the round's pass) and the guesses after it, and `release`s them
+    before the verifier's pass writes those positions: the verifier reads only rows it wrote,
+    so its tokens are what they would be without a draft."""
+
+    _held: int | None = None  # the verifier's rows when this round's feeding began
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self.release()
+        self.tokens, self.slots, self.last = [], [], None  # the verifier prefilled the prompt
+
+    def resume(self, prefix: Sequence[int]) -> None:
+        self.reset(prefix)
+
+    def sync(self, seq: Sequence[int]) -> np.ndarray:
+        self.release()
+        held = self.engine.length
+        if held >= len(seq):
+            raise AssertionError("the verifier's cache must leave the sequence's last token")
+        self._held, self.tokens, self.slots = held, [int(t) for t in seq[:held]], []
+        return self.feed(seq[held:])[-1]
+
+    def commit(self, tree: TokenTree, path: Sequence[int]) -> None:
+        self.release()  # the verifier's pass wrote the accepted tokens' rows
+
+    def release(self) -> None:
+        """Forget what this round fed (before the verifier's pass: see the class)."""
+        if self._held is not None:
+            self.engine.trim(self.engine.length - self._held)
+            self.tokens = (self.tokens or [])[: self._held]
+            self.slots, self.last, self._held = [], None, None
+
+
 def scaled_profile(verify: CostProfile, fraction: float) -> CostProfile:
     """A draft pass's cost: `fraction` of the verifier's for the same number of tokens."""
     return replace(verify, seconds=[s * fraction for s in verify.seconds], model="")
@@ -413,7 +494,7 @@ class SelfDraftProposer:
 
     def __init__(
         self,
-        model: Model,
+        verifier: MLXEngine,
         vocab: int,
         chooser: TokenChooser,
         verify: CostProfile | None,
@@ -422,7 +503,8 @@ class SelfDraftProposer:
         cache: bool = True,
         skip_set: SkipSet | None = None,
     ):
-        self.model, self.vocab, self.chooser = model, vocab, chooser
+        self.verifier, self.model = verifier, verifier.model
+        self.vocab, self.chooser = vocab, chooser
         self.verify, self.depth, self.cache = verify, depth, cache
         self.skip_set = skip_set  # None: found (or read) at the first reset
         self.draft: DraftTreeProposer | None = None
@@ -441,12 +523,12 @@ class SelfDraftProposer:
             reading = self_reading(self.model, keep, self.skip_set.reading)
         else:  # the skipped layers' readings go
             reading.layers = {i: reading.layers[i] for i in keep}
-        view = LayerSkipView(self.model, keep, reading)
+        view = LayerSkipView(self.model, keep, reading, cache_of=lambda: self.verifier.cache)
         cost = None
         if self.verify is not None:
             cost = scaled_profile(self.verify, self.skip_set.draft_fraction)
-        state = DraftState(tree_engine(MLXEngine(view)), self.vocab, cost)
-        fixed = float(cost(1)) if cost is not None else 0.0  # the catch-up pass, once a round
+        state = SharedCacheState(tree_engine(MLXEngine(view)), self.vocab, cost)
+        fixed = float(cost(1)) if cost is not None else 0.0  # the root's step, once a round
         return DraftTreeProposer(
             state, self.vocab, self.chooser, mode="dynamic", depth=self.depth, topk=1,
             budget=cost_budget(self.verify, fixed), expand_cost=fixed,
@@ -454,9 +536,9 @@ class SelfDraftProposer:
         )  # fmt: skip
 
     @property
-    def state(self) -> DraftState | None:
+    def state(self) -> SharedCacheState | None:
         """The layer-skipped view's cache and work (None before the first `reset`)."""
-        return self.draft.state if self.draft is not None else None
+        return self.draft.state if self.draft is not None else None  # type: ignore[return-value]
 
     @property
     def expected(self) -> float | None:
@@ -469,8 +551,10 @@ class SelfDraftProposer:
         self.draft.reset(prompt)
 
     def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
-        assert self.draft is not None, "reset() first"
-        return self.draft.propose(seq, max_depth, noise)
+        assert self.draft is not None and self.state is not None, "reset() first"
+        tree = self.draft.propose(seq, max_depth, noise)
+        self.state.release()  # the verifier's pass comes next, in the same rows
+        return tree
 
     def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         assert self.draft is not None
@@ -482,8 +566,9 @@ def build(res: Resources, spec: Speculation) -> SelfDraftProposer:
     (num_draft_tokens: the path's longest length, default 8); no draft model is used. As a
     candidate of `auto` only a skip set already found is used, and only one predicted to beat
     plain decoding: the search is not started silently (`Unavailable` otherwise)."""
-    model = getattr(innermost(res.verifier), "model", None)
-    if not isinstance(model, Model):
+    engine = innermost(res.verifier)
+    model = getattr(engine, "model", None)
+    if not isinstance(engine, MLXEngine) or not isinstance(model, Model):
         raise Unavailable(
             "method 'self' drafts with the verifier's own layers and needs an MLX verifier."
         )
@@ -512,6 +597,6 @@ def build(res: Resources, spec: Speculation) -> SelfDraftProposer:
                 "beside the verifier's weights); ask for method 'self' to use it"
             )
     return SelfDraftProposer(
-        model, res.vocab, res.chooser, res.verify_cost, depth=spec.num_draft_tokens or 8,
+        engine, res.vocab, res.chooser, res.verify_cost, depth=spec.num_draft_tokens or 8,
         cache=cache, skip_set=found,
     )  # fmt: skip

@@ -493,7 +493,8 @@ def best_size(
 # -- skip sets (method "self", `proposers/layer_skip.py`), cached beside the pass costs ----------
 
 # 2: the search's cumulative drops go on down to its minimum agreement; 3: the draft's reading
-SKIP_SET_FORMAT = 3
+# 4: agreement as a draft over the verifier's own cache computes it (`layer_skip.SharedCacheState`)
+SKIP_SET_FORMAT = 4
 
 
 @dataclass
