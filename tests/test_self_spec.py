@@ -20,8 +20,9 @@ from ondevice.models import load_model
 from ondevice.proposers import layer_skip
 from ondevice.proposers.resources import Speculation
 from ondevice.rules.sampling import SamplingParams
+from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime import kernel, pass_costs
-from ondevice.runtime.engines import MLXEngine
+from ondevice.runtime.engines import MLXEngine, tree_engine
 from ondevice.runtime.pass_costs import SIZES, CostProfile, device_name, engine_key, profile_path
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -151,30 +152,48 @@ def test_the_draft_reads_the_verifiers_cache_and_leaves_it_as_it_found_it(model)
 
 
 def test_the_search_scores_the_draft_as_its_rounds_compute(model):
-    """The search's one masked pass gives each scored position what a round's first step gives
-    it: the draft over that token alone, beside the verifier's keys and values before it."""
+    """The search's one masked pass gives each chain step what a round gives it: the root over
+    the verifier's keys and values before it, then each guess (here the text's own token) over
+    the same and the draft's rows of the chain so far."""
     text = layer_skip.search_text(model, _prompts()[1])
     keep = [i for i in range(LAYERS) if i not in (2, 3)]
     context = MLXEngine(model)
     context.feed(text, last_only=True)
     view = layer_skip.LayerSkipView(model, keep, cache_of=lambda: context.cache)
-    rows = 8
-    got = layer_skip._draft_rows(view, text, rows)
-    assert context.length == len(text)  # its rows forgotten
-    want = []
-    for p in range(len(text) - rows, len(text)):
+    rows, depth = 5, 3
+    got = layer_skip._draft_rows(view, text, rows, depth)
+    assert got.shape[:2] == (rows, depth) and context.length == len(text)  # its rows forgotten
+    T = len(text)
+    for r, p in enumerate(range(T - rows - depth + 1, T - depth + 1)):
         ver = MLXEngine(model)
         ver.feed(text[:p])
         v = layer_skip.LayerSkipView(model, keep, cache_of=lambda ver=ver: ver.cache)
-        state = layer_skip.SharedCacheState(MLXEngine(v), model.config.vocab_size)
+        state = layer_skip.SharedCacheState(tree_engine(MLXEngine(v)), model.config.vocab_size)
         state.reset(text[: p + 1])
-        want.append(state.sync(text[: p + 1]))
+        want = [state.sync(text[: p + 1])]
+        chain, node = TokenTree.root(text[p]), 0
+        for j in range(1, depth):
+            node = chain.add(node, text[p + j])
+            want.append(state.expand(chain, [node])[0])
         state.release()
         assert ver.length == p
-    assert np.allclose(got, np.stack(want), atol=1e-4)
+        assert np.allclose(got[r], np.stack(want), atol=1e-4), (r, p)
     # not what the draft over its own cache computes (its keys drift from the verifier's)
-    own = layer_skip.LayerSkipView(model, keep)(mx.array([text]))[0, -rows:]
-    assert not np.allclose(np.array(own), got, atol=1e-2)
+    own = layer_skip.LayerSkipView(model, keep)(mx.array([text]))[0, T - rows - depth + 1 :]
+    assert not np.allclose(np.array(own)[:rows], got[:, 0], atol=1e-2)
+
+
+def test_the_predicted_speedup_reads_how_far_the_chains_reached():
+    flat = CostProfile(list(SIZES), [1.0] * len(SIZES))
+    # one measured step: each further guess accepted as often (independently)
+    a, f = 0.9, 0.3
+    iid = max(sum(a**j for j in range(k + 1)) / (k * f + 1) for k in range(1, 9))
+    assert layer_skip.predicted_speedup([a], f, flat) == pytest.approx(iid)
+    assert layer_skip.predicted_speedup([a, a**2, a**3], f, flat) == pytest.approx(iid)
+    # the same first step, chains that break off sooner: less
+    falling = layer_skip.predicted_speedup([0.9, 0.5, 0.2, 0.05], f, flat)
+    assert falling < iid
+    assert falling == pytest.approx(max((1 + 0.9) / 1.3, (1 + 0.9 + 0.5) / 1.6))
 
 
 def test_the_search_is_cached_and_reused(model, monkeypatch):

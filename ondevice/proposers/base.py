@@ -58,10 +58,9 @@ class Unavailable(OndeviceError):
 def not_beside_a_draft(res: Resources, spec: Speculation) -> None:
     """Raise `Unavailable` where `auto` builds a one-model candidate whose guesses a loaded draft
     model makes better and cheaper (lookahead's Jacobi window, the verifier's own layers): the
-    draft's tree takes its place. A try of one there is a round lost, and for `self` a catch-up
-    over the whole prompt through most of the verifier's layers too (a held-out stem answer
-    1.37x plain where the tree alone made 1.59x: docs/benchmarks.md, "Issue 30, session
-    19")."""
+    draft's tree takes its place. A try of one there is a round lost (a held-out stem answer
+    1.37x plain where the tree alone made 1.59x, when `self`'s draft still caught up over the
+    whole prompt: docs/benchmarks.md, "Issue 30, session 19")."""
     if spec.method == "auto" and res.draft is not None:
         raise Unavailable("a draft model is loaded: auto drafts with it instead")
 

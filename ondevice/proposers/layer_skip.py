@@ -3,8 +3,9 @@ skipped (Draft & Verify, Zhang et al. 2023; SWIFT, Xia et al. 2024), so no secon
 loaded.
 
 - `LayerSkipView`: a `Model` made of a subset of another model's layers. It holds the very
-  same modules (the same weight arrays: nothing is copied) and has its own KV cache, over the
-  layers it keeps. A draft's rounding changes how often its guesses are accepted, never a
+  same modules (the same weight arrays: nothing is copied) and, as a draft, the verifier's own
+  KV cache of the layers it keeps (`SharedCacheState`: the committed sequence's keys and values
+  are the verifier's, so a round feeds the draft its root and guesses only). A draft's rounding changes how often its guesses are accepted, never a
   token of the output, so the view may read the kept layers another way (`Reading`, chosen by
   `self_reading`): by default the verifier's own bf16 weights through the CPU kernel's fastest
   one-row implementation where it is not the verifier's (AVX512-BF16 beside AMX: a step about
@@ -13,8 +14,9 @@ loaded.
   rows (`int8_reading`: half the bytes a step, about one byte per kept weight of memory).
 - `search_skip_set`: which layers to skip, found by measurement. Over one text (the first
   prompt the method sees and the verifier's own greedy continuation of it), the draft's greedy
-  token at each of its last positions is compared with the verifier's (teacher-forced
-  agreement). Each middle layer is dropped alone, then layers are dropped cumulatively,
+  token at each of its last positions, computed as a round's first step computes it (that
+  position's token beside the verifier's keys and values before it), is compared with the
+  verifier's (teacher-forced agreement). Each middle layer is dropped alone, then layers are dropped cumulatively,
   least harmful first, until agreement falls below `MIN_AGREEMENT`; each set is scored by the
   tokens per second a draft chain of that agreement would give over plain decoding, with the
   draft's cost the kept share of the verifier's weights (through a reading: measured,
@@ -77,6 +79,7 @@ SEARCH_CONTEXT = 192  # tokens of the prompt's tail the search reads
 SEARCH_CONTINUATION = 24  # greedy tokens of the verifier appended to them
 SCORED = 96  # the last positions of that text where the draft's greedy token is compared
 MAX_CHAIN = 8  # the longest draft chain the score considers
+CHAIN_DEPTH = 4  # of which the search measures this many steps (one masked pass a set)
 # the cumulative drops stop once agreement falls below this: the score is not monotone in the
 # layers dropped (agreement falls first, the cost later), so no earlier stop is safe
 MIN_AGREEMENT = 0.3
@@ -230,16 +233,22 @@ def draft_fraction(model: Model, skip: Sequence[int]) -> float:
     return (kept + h) / (sum(layers) + h)
 
 
-def predicted_speedup(agreement: float, fraction: float, verify: CostProfile | None) -> float:
+def predicted_speedup(reach: Sequence[float], fraction: float, verify: CostProfile | None) -> float:
     """Tokens per second of a draft chain over plain decoding's, at the best length up to
-    `MAX_CHAIN`: each drafted token accepted with probability `agreement` (independently), a
-    draft step costing `fraction` of a one-token verifier pass, the verification pass over k + 1
-    tokens costing what `verify` says (every pass alike without a profile). Below 1 where no
-    chain pays (the proposer then mostly makes plain steps: its rounds are sized by the costs)."""
+    `MAX_CHAIN`: reach[j] the chance that its first j + 1 guesses are all accepted (past the
+    measured depths, each further guess accepted as often as the last measured one was after
+    its predecessor), a draft step costing `fraction` of a one-token verifier pass, the
+    verification pass over k + 1 tokens costing what `verify` says (every pass alike without a
+    profile). Below 1 where no chain pays (the proposer then mostly makes plain steps: its
+    rounds are sized by the costs)."""
     one = float(verify(1)) if verify is not None else 1.0
+    reach = list(reach)
+    last = reach[-1] / reach[-2] if len(reach) > 1 and reach[-2] > 0 else reach[-1]
+    while len(reach) < MAX_CHAIN:
+        reach.append(reach[-1] * last)
     best = 0.0
     for k in range(1, MAX_CHAIN + 1):
-        tokens = sum(agreement**j for j in range(k + 1))
+        tokens = 1.0 + sum(reach[:k])
         check = float(verify(k + 1)) if verify is not None else one
         best = max(best, tokens * one / (k * fraction * one + check))
     return best
@@ -254,22 +263,30 @@ def _greedy_rows(model: Model, tokens: Sequence[int], rows: int) -> np.ndarray:
     return np.array(mx.argmax(head(h), axis=-1))
 
 
-def _draft_rows(view: LayerSkipView, text: Sequence[int], rows: int) -> np.ndarray:
-    """A self-draft's logits after each of the last `rows` prefixes of `text`, each as a
-    round's first step computes it (`SharedCacheState`): over that position's token alone,
-    attending to the verifier's keys and values of the positions before it. One masked pass of
-    `view`, whose cache is borrowed from a verifier's that holds all of `text`: each row sees
-    the positions before its own and, of its own, the draft's row only."""
+def _draft_rows(view: LayerSkipView, text: Sequence[int], rows: int, depth: int = 1) -> np.ndarray:
+    """A self-draft's logits (rows, depth, V) along teacher-forced chains: row r starts at
+    position p = T - rows - depth + 1 + r of `text` (T tokens) and its step j is computed as a
+    round's j-th step is (`SharedCacheState`): over text[p + j], attending to the verifier's
+    keys and values of the positions before p and to the draft's own rows p..p + j of that
+    chain (as if its earlier guesses had been the text's tokens, which is when a step counts).
+    One masked pass of `view`, whose cache is borrowed from a verifier's that holds all of
+    `text`."""
     T = len(text)
     engine = tree_engine(MLXEngine(view))
     assert engine.length == T, "the borrowed cache must hold the whole text"
-    positions = np.arange(T - rows, T)
-    visible = np.zeros((rows, T + rows), dtype=bool)
-    visible[:, :T] = np.arange(T) < positions[:, None]
-    visible[np.arange(rows), T + np.arange(rows)] = True
-    logits = engine.feed_masked(list(text[T - rows :]), positions, visible)  # type: ignore[attr-defined]
-    engine.trim(rows)
-    return logits
+    start = np.arange(T - rows - depth + 1, T - depth + 1)  # each chain's first position
+    step = np.arange(depth)
+    positions = (start[:, None] + step).reshape(-1)  # slot r * depth + j: position start[r] + j
+    n = rows * depth
+    visible = np.zeros((n, T + n), dtype=bool)
+    visible[:, :T] = np.arange(T) < np.repeat(start, depth)[:, None]
+    own = np.tril(np.ones((depth, depth), dtype=bool))  # a chain's step sees its earlier steps
+    for r in range(rows):
+        visible[r * depth : (r + 1) * depth, T + r * depth : T + (r + 1) * depth] = own
+    tokens = [int(text[p]) for p in positions]
+    logits = engine.feed_masked(tokens, positions, visible)  # type: ignore[attr-defined]
+    engine.trim(n)
+    return logits.reshape(rows, depth, -1)
 
 
 def search_text(model: Model, prompt: Sequence[int]) -> list[int]:
@@ -323,40 +340,43 @@ def search_skip_set(
             else lambda skip: draft_fraction(model, skip)
         )
     candidates = list(range(1, n - 1)) if n > 2 else [1]
-    rows = min(SCORED, len(text) - min(4, len(text) - 1))  # not the first few: too little context
-    ref = _greedy_rows(model, text, rows)
+    # not the first few positions (too little context), nor chains running past the text
+    depth = max(1, min(CHAIN_DEPTH, len(text) // 4))
+    rows = min(SCORED, len(text) - min(4, len(text) - 1) - depth + 1)
+    ref = _greedy_rows(model, text, rows + depth - 1)
     context = MLXEngine(model)  # the verifier's keys and values of the text, as a draft reads them
     context.feed(list(text), last_only=True)
 
-    def measure(skip: list[int]) -> tuple[float, float]:
+    def measure(skip: list[int], depth: int) -> tuple[list[float], float]:
         keep = [i for i in range(n) if i not in set(skip)]
         view = LayerSkipView(model, keep, reading, cache_of=lambda: context.cache)
-        agree = float(np.mean(np.argmax(_draft_rows(view, text, rows), axis=-1) == ref))
-        return agree, predicted_speedup(agree, fraction(skip), verify)
+        guess = np.argmax(_draft_rows(view, text, rows, depth), axis=-1)  # (rows, depth)
+        want = np.stack([ref[j : j + rows] for j in range(depth)], axis=1)
+        hits = np.cumprod(guess == want, axis=1)  # the chain's first j + 1 guesses all right
+        reach = [float(v) for v in hits.mean(axis=0)]
+        return reach, predicted_speedup(reach, fraction(skip), verify)
 
     tried: list[list] = []
     alone = {}
-    for i in candidates:  # each layer dropped alone: how much it matters
-        alone[i] = measure([i])
-        tried.append([[i], *alone[i]])
-    order = sorted(candidates, key=lambda i: (-alone[i][0], i))
-    best: tuple[list[int], float, float] | None = None
+    for i in candidates:  # each layer dropped alone, first steps only: how much it matters
+        alone[i] = measure([i], 1)[0][0]
+    order = sorted(candidates, key=lambda i: (-alone[i], i))
+    best: tuple[list[int], list[float], float] | None = None
     skip: list[int] = []
-    for i in order:  # then cumulatively, least harmful first
+    for i in order:  # then cumulatively, least harmful first, chains scored
         skip = sorted([*skip, i])
-        agree, speed = alone[i] if len(skip) == 1 else measure(skip)
-        if len(skip) > 1:
-            tried.append([skip, agree, speed])
+        reach, speed = measure(skip, depth)
+        tried.append([skip, reach[0], speed])
         if best is None or speed > best[2]:
-            best = (skip, agree, speed)
-        if agree < MIN_AGREEMENT:
+            best = (skip, reach, speed)
+        if reach[0] < MIN_AGREEMENT:
             break
     assert best is not None
     cfg = model.config
     return SkipSet(
-        best[0], n, best[1], fraction(best[0]), best[2], len(ref), tried,
+        best[0], n, best[1][0], fraction(best[0]), best[2], rows, tried,
         verify is not None, f"{cfg.model_type} {cfg.hidden_size}x{n}",
-        reading.kind if reading is not None else "shared",
+        reading.kind if reading is not None else "shared", best[1],
     )  # fmt: skip
 
 

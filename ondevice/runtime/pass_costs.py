@@ -502,15 +502,17 @@ class SkipSet:
     """The layers a self-draft skips, and what the search measured.
 
     agreement: the share of positions where the draft's greedy token is the verifier's.
+    reach: per step j of a chain, the share of positions where the draft's first j + 1 greedy
+        tokens are all the verifier's (reach[0] is `agreement`).
     draft_fraction: a draft pass's cost as a share of a verifier pass (the kept share of the
         weights read, or measured where the draft reads int8 copies).
     reading: `shared` (the draft computes with the verifier's own products), `one-row` (the
         verifier's weights through the CPU kernel's one-row implementation) or `int8` (int8
         copies of the kept layers and of the head's first rows), as searched
         (`layer_skip.self_reading`).
-    speedup: the predicted tokens per second over plain decoding of a draft chain with that
-        agreement (the best chain length the search tried; below 1: none pays). tried: [skip, agreement, speedup] of
-        every set measured, in order. tokens: positions compared.
+    speedup: the predicted tokens per second over plain decoding of a draft chain that reaches
+        as far (the best chain length the search tried; below 1: none pays). tried: [skip,
+        agreement, speedup] of every set scored, in order. tokens: chains compared.
     """
 
     skip: list[int]
@@ -523,6 +525,7 @@ class SkipSet:
     cost_profile: bool = True
     model: str = ""  # which model, for people (architecture and sizes)
     reading: str = "shared"  # see above
+    reach: list[float] = field(default_factory=list)
 
     @property
     def keep(self) -> list[int]:
