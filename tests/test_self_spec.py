@@ -183,6 +183,20 @@ def test_the_search_scores_the_draft_as_its_rounds_compute(model):
     assert not np.allclose(np.array(own)[:rows], got[:, 0], atol=1e-2)
 
 
+def test_a_draft_that_skips_nothing_reaches_every_step(model):
+    """`chain_reach` compares each chain step with the verifier's token at that step's own
+    position: a view keeping every layer is the verifier, so every chain reaches all the way
+    (a step compared one position off would miss on this random text)."""
+    text = np.random.default_rng(7).integers(5, 96, 40).tolist()
+    context = MLXEngine(model)
+    context.feed(text, last_only=True)
+    whole = layer_skip.LayerSkipView(model, range(LAYERS), cache_of=lambda: context.cache)
+    ref = layer_skip._greedy_rows(model, text, 12)
+    for depth in (1, 3):
+        assert layer_skip.chain_reach(whole, text, ref, depth) == [1.0] * depth
+    assert np.mean(ref[1:] == ref[:-1]) < 0.5  # what makes a step one position off miss
+
+
 def test_the_predicted_speedup_reads_how_far_the_chains_reached():
     flat = CostProfile(list(SIZES), [1.0] * len(SIZES))
     # one measured step: each further guess accepted as often (independently)

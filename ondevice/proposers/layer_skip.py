@@ -289,6 +289,20 @@ def _draft_rows(view: LayerSkipView, text: Sequence[int], rows: int, depth: int 
     return logits.reshape(rows, depth, -1)
 
 
+def chain_reach(
+    view: LayerSkipView, text: Sequence[int], ref: np.ndarray, depth: int
+) -> list[float]:
+    """Per step j < depth, the share of teacher-forced chains (`_draft_rows`) whose first j + 1
+    greedy tokens are all the verifier's. ref: the verifier's greedy token after each of the
+    last len(ref) prefixes of `text`; the chains start at each of those positions that leaves
+    room for `depth` steps, so chain r's step j is compared with ref[r + j]."""
+    rows = len(ref) - depth + 1
+    guess = np.argmax(_draft_rows(view, text, rows, depth), axis=-1)  # (rows, depth)
+    want = np.stack([ref[j : j + rows] for j in range(depth)], axis=1)
+    hits = np.cumprod(guess == want, axis=1)
+    return [float(v) for v in hits.mean(axis=0)]
+
+
 def search_text(model: Model, prompt: Sequence[int]) -> list[int]:
     """The text the search compares on: the prompt's tail and the verifier's greedy
     continuation of it (what a draft meets while decoding)."""
@@ -350,10 +364,7 @@ def search_skip_set(
     def measure(skip: list[int], depth: int) -> tuple[list[float], float]:
         keep = [i for i in range(n) if i not in set(skip)]
         view = LayerSkipView(model, keep, reading, cache_of=lambda: context.cache)
-        guess = np.argmax(_draft_rows(view, text, rows, depth), axis=-1)  # (rows, depth)
-        want = np.stack([ref[j : j + rows] for j in range(depth)], axis=1)
-        hits = np.cumprod(guess == want, axis=1)  # the chain's first j + 1 guesses all right
-        reach = [float(v) for v in hits.mean(axis=0)]
+        reach = chain_reach(view, text, ref, depth)
         return reach, predicted_speedup(reach, fraction(skip), verify)
 
     tried: list[list] = []
