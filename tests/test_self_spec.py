@@ -290,12 +290,17 @@ def test_on_the_cpu_kernel_the_draft_reads_int8_copies_of_the_kept_layers(
     # and self-speculation through it gives the verifier's greedy tokens
     _profiled(m)
     layer_skip._MEMORY.clear()
-    accepted = 0
+    copies = []  # made per generation: once, at the first (each builds its proposer anew)
+    real_copy = kernel.int8_copy
+    monkeypatch.setattr(kernel, "int8_copy", lambda *a: copies.append(1) or real_copy(*a))
+    accepted, made = 0, []
     for prompt in _prompts():
         dec = make_decoder(MLXEngine(m), None, SamplingParams(), Speculation(method="self"))
         assert [t for r in dec.run(prompt, 24) for t in r.tokens] == _plain_greedy(m, prompt, 24)
         accepted += dec.stats.accepted
+        made.append(len(copies))
     assert accepted > 0
+    assert made[0] > 0 and made[1:] == [made[0]] * 2
     found = layer_skip.cached_skip_set(m)
     assert found is not None and found.reading == "int8" and "int8 copies" in found.describe()
     assert found.draft_fraction > 0  # measured (a tiny model's int8 step is glue: not < 1)

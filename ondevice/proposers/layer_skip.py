@@ -415,6 +415,10 @@ def skip_set_path(model: Model) -> Path:
 
 # (fingerprint, reading asked, costs profiled) -> this process's skip set
 _MEMORY: dict[tuple[str, str, bool], SkipSet] = {}
+# fingerprint -> ((reading kind, layers kept), the reading): what this process's self-drafts of a
+# model read, one at a time; each generation builds its proposer anew, and int8 copies of a
+# 1.5B's kept layers took a second and a byte a weight every time
+_READINGS: dict[str, tuple[tuple[str, tuple[int, ...]], Reading | None]] = {}
 
 
 def cached_skip_set(model: Model, *, cache: bool = True) -> SkipSet | None:
@@ -550,10 +554,15 @@ class SelfDraftProposer:
                 self.model, prompt, self.verify, cache=self.cache, reading=reading
             )
         keep = self.skip_set.keep
-        if reading is None:
-            reading = self_reading(self.model, keep, self.skip_set.reading)
-        else:  # the skipped layers' readings go
+        fingerprint, kept = weights_fingerprint(self.model), (self.skip_set.reading, tuple(keep))
+        held = _READINGS.get(fingerprint)
+        if reading is not None:  # the skipped layers' readings go
             reading.layers = {i: reading.layers[i] for i in keep}
+        elif held is not None and held[0] == kept:
+            reading = held[1]
+        else:
+            reading = self_reading(self.model, keep, self.skip_set.reading)
+        _READINGS[fingerprint] = (kept, reading)
         view = LayerSkipView(self.model, keep, reading, cache_of=lambda: self.verifier.cache)
         cost = None
         if self.verify is not None:
