@@ -142,10 +142,15 @@ def test_the_draft_reads_the_verifiers_cache_and_leaves_it_as_it_found_it(model)
         verdict = dec.verify(seq, tree)
         proposer.observe(seq, tree, verdict)
         new = [tree.tokens[n] for n in verdict.path] + [verdict.token]
-        # the verifier's rows equal those of the verifier alone fed the same tokens
+        # the verifier's rows are those of the verifier alone fed the same tokens (up to MLX's
+        # float32 rounding in passes of other shapes: the kernel's passes agree bitwise)
         alone.feed([seq[-1], *new[:-1]])
         for c, a in zip(ver.cache.layers, alone.cache.layers):
-            assert mx.allclose(mx.array(c.keys[..., : ver.length, :]), a.keys[..., : ver.length, :])
+            got, want = (
+                np.array(c.keys[..., : ver.length, :]),
+                np.array(a.keys[..., : ver.length, :]),
+            )
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
         seq += new
     assert fed == [0] * 6
     assert len(sizes) >= 6 and set(sizes) == {1}  # the root, then one guess a pass: a chain

@@ -4,21 +4,23 @@ loaded.
 
 - `LayerSkipView`: a `Model` made of a subset of another model's layers. It holds the very
   same modules (the same weight arrays: nothing is copied) and, as a draft, the verifier's own
-  KV cache of the layers it keeps (`SharedCacheState`: the committed sequence's keys and values
-  are the verifier's, so a round feeds the draft its root and guesses only). A draft's rounding changes how often its guesses are accepted, never a
-  token of the output, so the view may read the kept layers another way (`Reading`, chosen by
+  KV cache of the layers it keeps (`SharedCacheState`: the committed sequence's keys and
+  values are the verifier's, so a round feeds the draft its root and guesses only). A draft's
+  rounding changes how often its guesses are accepted, never a token of the output, so the
+  view may read the kept layers another way (`Reading`, chosen by
   `self_reading`): by default the verifier's own bf16 weights through the CPU kernel's fastest
   one-row implementation where it is not the verifier's (AVX512-BF16 beside AMX: a step about
   three quarters of a verifier pass, no byte of memory more), or, asked for with
   `ONDEVICE_SELF_READING=int8`, int8 copies of the kept layers and of the head's first 65,536
   rows (`int8_reading`: half the bytes a step, about one byte per kept weight of memory).
 - `search_skip_set`: which layers to skip, found by measurement. Over one text (the first
-  prompt the method sees and the verifier's own greedy continuation of it), the draft's greedy
-  token at each of its last positions, computed as a round's first step computes it (that
-  position's token beside the verifier's keys and values before it), is compared with the
-  verifier's (teacher-forced agreement). Each middle layer is dropped alone, then layers are dropped cumulatively,
-  least harmful first, until agreement falls below `MIN_AGREEMENT`; each set is scored by the
-  tokens per second a draft chain of that agreement would give over plain decoding, with the
+  prompt the method sees and the verifier's own greedy continuation of it), chains of the
+  draft's greedy tokens from each of its last positions, computed as rounds compute them (the
+  verifier's keys and values before the chain, the draft's own rows of it: `chain_reach`), are
+  compared with the verifier's (teacher-forced agreement). Each middle layer is dropped alone
+  (first steps only: how much it matters), then layers are dropped cumulatively, least harmful
+  first, until agreement falls below `MIN_AGREEMENT`; each set is scored by the tokens per
+  second draft chains that reach as far would give over plain decoding, with the
   draft's cost the kept share of the verifier's weights (through a reading: measured,
   `measured_fraction`) and the verifier's measured pass costs (`runtime/pass_costs.py`).
   Deterministic where the costs are counted: the same weights, text and cost profile give the
@@ -263,7 +265,7 @@ def _greedy_rows(model: Model, tokens: Sequence[int], rows: int) -> np.ndarray:
     return np.array(mx.argmax(head(h), axis=-1))
 
 
-def _draft_rows(view: LayerSkipView, text: Sequence[int], rows: int, depth: int = 1) -> np.ndarray:
+def _draft_rows(view: LayerSkipView, text: Sequence[int], rows: int, depth: int) -> np.ndarray:
     """A self-draft's logits (rows, depth, V) along teacher-forced chains: row r starts at
     position p = T - rows - depth + 1 + r of `text` (T tokens) and its step j is computed as a
     round's j-th step is (`SharedCacheState`): over text[p + j], attending to the verifier's
@@ -361,10 +363,10 @@ def search_skip_set(
     context = MLXEngine(model)  # the verifier's keys and values of the text, as a draft reads them
     context.feed(list(text), last_only=True)
 
-    def measure(skip: list[int], depth: int) -> tuple[list[float], float]:
+    def measure(skip: list[int], steps: int) -> tuple[list[float], float]:
         keep = [i for i in range(n) if i not in set(skip)]
         view = LayerSkipView(model, keep, reading, cache_of=lambda: context.cache)
-        reach = chain_reach(view, text, ref, depth)
+        reach = chain_reach(view, text, ref, steps)
         return reach, predicted_speedup(reach, fraction(skip), verify)
 
     tried: list[list] = []
@@ -415,10 +417,6 @@ def skip_set_path(model: Model) -> Path:
 
 # (fingerprint, reading asked, costs profiled) -> this process's skip set
 _MEMORY: dict[tuple[str, str, bool], SkipSet] = {}
-# fingerprint -> ((reading kind, layers kept), the reading): what this process's self-drafts of a
-# model read, one at a time; each generation builds its proposer anew, and int8 copies of a
-# 1.5B's kept layers took a second and a byte a weight every time
-_READINGS: dict[str, tuple[tuple[str, tuple[int, ...]], Reading | None]] = {}
 
 
 def cached_skip_set(model: Model, *, cache: bool = True) -> SkipSet | None:
@@ -554,15 +552,17 @@ class SelfDraftProposer:
                 self.model, prompt, self.verify, cache=self.cache, reading=reading
             )
         keep = self.skip_set.keep
-        fingerprint, kept = weights_fingerprint(self.model), (self.skip_set.reading, tuple(keep))
-        held = _READINGS.get(fingerprint)
+        # made once per model and layers kept (each generation builds its proposer anew, and
+        # int8 copies of a 1.5B's kept layers took a second and a byte a weight every time)
+        kept = (self.skip_set.reading, tuple(keep))
+        held = getattr(self.model, "_self_reading", None)
         if reading is not None:  # the skipped layers' readings go
             reading.layers = {i: reading.layers[i] for i in keep}
         elif held is not None and held[0] == kept:
             reading = held[1]
         else:
             reading = self_reading(self.model, keep, self.skip_set.reading)
-        _READINGS[fingerprint] = (kept, reading)
+        object.__setattr__(self.model, "_self_reading", (kept, reading))  # not a module's child
         view = LayerSkipView(self.model, keep, reading, cache_of=lambda: self.verifier.cache)
         cost = None
         if self.verify is not None:
