@@ -3,6 +3,7 @@ the estimated cost of their rounds (cost profiles, `runtime/pass_costs.py`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -24,6 +25,9 @@ FIRST_ROUND_PRIOR = 0.5
 # the least weight of what a losing candidate did before (its long-run record where remembered)
 # against the one round a re-check gives it
 RECHECK_PRIOR = 0.5
+# how far (in standard errors of its score) another candidate must score above the one auto is
+# on before it takes over (see the class)
+NOISE_MARGIN = 1.0
 
 
 class AutoProposer:
@@ -86,6 +90,22 @@ class AutoProposer:
     has truly changed (a passage to copy) wins its re-check by far more than noise and is
     taken up at once.
 
+    A candidate auto is on keeps the rounds against another speculating candidate unless that
+    one scores higher by more than `NOISE_MARGIN` standard errors of its own score (`noise`:
+    the spread of its rounds' tokens, over the weights the average gives its rounds): what
+    moves by chance is the average of the one in use, round after round; the other's score,
+    however few its rounds, is the best guess of it, and taking it up is how to learn more. A
+    draft's tree gives 1 to 9 tokens a round, so its average over about five rounds moves by a
+    third on chance alone: two one-token rounds put it just below Medusa's heads' older score,
+    the heads took over, and the tree's one re-check six rounds later found nothing and kept it
+    out (Spec-Bench stem 144 modelled: 10.5% below the tree alone; docs/benchmarks.md, "Issue 26,
+    session 19"). A longer average instead held a lucky stretch of the heads as long (the
+    demo's prompt: 2.09x against 2.46x), and a margin over both scores' errors kept the heads
+    on the demo's prompt after the tree's second try scored 50% above them (1.55x). With this
+    margin: stem 144 1.5% below the tree, the demo's prompt and the held-out prompts as before
+    (docs/benchmarks.md, "Issue 26, session 20"). Plain steps' score is exact: against them no
+    margin.
+
     Re-checks go to the most promising due candidate first (the least expected loss, see
     `_expected_loss`; then the least recently tried): the tries' budget is spent where a win is
     likeliest, not in the candidates' order (which re-checked prompt lookup and lookahead, and
@@ -139,6 +159,11 @@ class AutoProposer:
         self.last_tried = [-1] * n
         self.tokens = [1.0 if k else 0.0 for k in self.known]
         self.seconds = [one if k else 0.0 for k in self.known]
+        # per candidate, the same average of its rounds' tokens squared, and the sum of the
+        # squared weights of the rounds in it (1: one round; a long-run average of many rounds,
+        # little): how far the average still moves by chance (`noise`)
+        self.square = [0.0] * n
+        self.spread = [0.0] * n
         self.round = 0
         self.wait = [self.period] * n  # rounds before a losing candidate is re-checked
         self._best = 0
@@ -160,12 +185,31 @@ class AutoProposer:
             if hasattr(state, "switch_work") and all(state is not d for d in self.drafts):
                 self.drafts.append(state)
             if self.memory and p.name in self.memory and not self.known[i]:
-                self.tokens[i], self.seconds[i], rounds = self.memory[p.name]
+                rounds = self._remembered(i, self.memory[p.name])
                 # as if tried just now, as often as the memory holds rounds
                 self.tried[i], self.last_tried[i] = min(self.explore, rounds), 0
 
     def score(self, i: int) -> float:
         return self.tokens[i] / self.seconds[i] if self.seconds[i] > 0 else float("inf")
+
+    def noise(self, i: int) -> float:
+        """The standard error of candidate i's score: the variance of its rounds' tokens (as
+        measured, or at least a geometric law's, m (m - 1) for a mean of m: a draft's guesses
+        each accepted with a like chance; a few rounds say little of their spread) over the
+        weights its average gives them (`spread`). Plain steps' score is known exactly."""
+        if self.known[i] or self.seconds[i] <= 0:
+            return 0.0
+        m = self.tokens[i]
+        var = max(self.square[i] - m * m, m * (m - 1.0), 0.0)
+        return math.sqrt(var * self.spread[i]) / self.seconds[i]
+
+    def _remembered(self, i: int, record: tuple[float, float, int]) -> int:
+        """Start candidate i's averages from its long-run record (`memory`); its rounds."""
+        self.tokens[i], self.seconds[i], rounds = record
+        m = self.tokens[i]
+        self.square[i] = m * m + max(m * (m - 1.0), 0.0)  # the geometric law's (see `noise`)
+        self.spread[i] = 1.0 / min(max(rounds, 1), 2 / LONG_RUN - 1)  # a long run's (below)
+        return rounds
 
     def _choose(self, room: int, skip: frozenset[int] = frozenset()) -> int:
         n = len(self.proposers)
@@ -177,12 +221,25 @@ class AutoProposer:
         # a tie goes to the candidate that speculates: one whose rounds found nothing scored
         # exactly a plain step's (prompt lookup without a match is one), so it is no worse,
         # and choosing it keeps its score fresh for when it finds something
-        self._best = best = max(
+        best = max(
             scored,
             key=lambda i: (
                 (self.score(i) * (1 + TIE), -i) if not self.known[i] else (self.score(i), -i)
             ),
         )
+        # a candidate auto is on keeps it against another that speculates unless beaten by
+        # more than chance (see the class); against plain steps, whose score is exact, not
+        held = self._best
+        if (
+            held != best
+            and held in scored
+            and not self.known[held]
+            and not self.known[best]
+            and self.tried[held] >= self.explore
+            and self.score(best) - self.score(held) <= NOISE_MARGIN * self.noise(held)
+        ):
+            best = held
+        self._best = best
         rate = self.score(best)
         budget = self.explore_share * (self.committed + room) / rate - self.lost
         explore = [i for i in live if self.tried[i] < self.explore]
@@ -259,14 +316,18 @@ class AutoProposer:
                 # a first round, with nothing remembered, counts as much as what the candidate
                 # expected of it (see the class): one round's luck does not decide alone
                 self.tokens[i], self.seconds[i], a = expected, secs, FIRST_ROUND_PRIOR
+                self.square[i], self.spread[i] = expected**2, 1.0  # the expectation, as a round
             elif recheck:
                 # a re-check: its one round weighed against the candidate's record, not in its
                 # place (see the class)
                 if self.memory and name in self.memory:
-                    self.tokens[i], self.seconds[i], _ = self.memory[name]
+                    self._remembered(i, self.memory[name])
                 a = max(a, RECHECK_PRIOR)
-            self.tokens[i] = a * self.tokens[i] + (1 - a) * (len(path) + 1)
+            x = len(path) + 1
+            self.tokens[i] = a * self.tokens[i] + (1 - a) * x
             self.seconds[i] = a * self.seconds[i] + (1 - a) * secs
+            self.square[i] = a * self.square[i] + (1 - a) * x * x
+            self.spread[i] = a * a * self.spread[i] + (1 - a) ** 2
             if self.memory is not None:
                 toks, took, rounds = self.memory.get(name, (0.0, 0.0, 0))
                 b = max(1 / (rounds + 1), LONG_RUN)
