@@ -200,14 +200,14 @@ class AutoProposer:
         if self.known[i] or self.seconds[i] <= 0:
             return 0.0
         m = self.tokens[i]
-        var = max(self.square[i] - m * m, m * (m - 1.0), 0.0)
+        var = max(self.square[i] - m * m, _geometric_variance(m))
         return math.sqrt(var * self.spread[i]) / self.seconds[i]
 
     def _remembered(self, i: int, record: tuple[float, float, int]) -> int:
         """Start candidate i's averages from its long-run record (`memory`); its rounds."""
         self.tokens[i], self.seconds[i], rounds = record
         m = self.tokens[i]
-        self.square[i] = m * m + max(m * (m - 1.0), 0.0)  # the geometric law's (see `noise`)
+        self.square[i] = m * m + _geometric_variance(m)  # no spread remembered: see `noise`
         self.spread[i] = 1.0 / min(max(rounds, 1), 2 / LONG_RUN - 1)  # a long run's (below)
         return rounds
 
@@ -344,6 +344,12 @@ class AutoProposer:
         self.tried[i] += 1
         self.round += 1
         self.last_tried[i] = self.round
+
+
+def _geometric_variance(m: float) -> float:
+    """The variance of a round's tokens with mean m where each guess is accepted with a like
+    chance (a geometric law on 1, 2, ...): m (m - 1)."""
+    return max(m * (m - 1.0), 0.0)
 
 
 def build(res: Resources, spec: Speculation) -> AutoProposer:

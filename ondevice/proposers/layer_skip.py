@@ -283,8 +283,7 @@ def _draft_rows(view: LayerSkipView, text: Sequence[int], rows: int, depth: int)
     visible = np.zeros((n, T + n), dtype=bool)
     visible[:, :T] = np.arange(T) < np.repeat(start, depth)[:, None]
     own = np.tril(np.ones((depth, depth), dtype=bool))  # a chain's step sees its earlier steps
-    for r in range(rows):
-        visible[r * depth : (r + 1) * depth, T + r * depth : T + (r + 1) * depth] = own
+    visible[:, T:] = np.kron(np.eye(rows, dtype=bool), own)  # and no other chain's
     tokens = [int(text[p]) for p in positions]
     logits = engine.feed_masked(tokens, positions, visible)  # type: ignore[attr-defined]
     engine.trim(n)
