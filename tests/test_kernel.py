@@ -120,6 +120,45 @@ def test_a_long_passs_last_chunk_runs_in_the_smallest_plan_that_gives_the_same_r
     assert plan.invariant is False
 
 
+@pytest.mark.skipif("bf16" not in KINDS, reason="no bf16 dot products on this CPU")
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_transposed_product_gives_every_row_the_usual_products_bits(bias, monkeypatch):
+    """A product taken as `W @ x.T` (`KernelLinear.transposed`, see "AMX at a few rows") gives
+    every row of a pass of up to ROWS rows bitwise what the usual product gives it, and a
+    longer pass (a prompt's chunks) runs the usual way; a transposed plan made to differ in
+    one last bit is found out and its pass runs padded to ROWS the usual way instead."""
+    w = mx.random.normal((300, 96), key=mx.random.key(7))
+    b = mx.random.normal((300,), key=mx.random.key(8)) if bias else None
+    usual, wide = kernel.KernelLinear(w, b, "bf16"), kernel.KernelLinear(w, b, "bf16")
+    wide.transposed = True
+    x = mx.random.normal((1, 40, 96), key=mx.random.key(9))
+    for M in (1, 2, 3, 5, 8, 13, 16, 17, 40):
+        assert np.array_equal(np.array(wide(x[:, :M])), np.array(usual(x[:, :M]))), M
+    plans = [
+        p
+        for p in kernel._dnnl._local.plans.values()
+        if p.transposed and p.key[:4] == (96, 300, kernel._BF16, bias)
+    ]
+    assert {p.rows for p in plans} == {1, 2, 3, 5, 8, 13, 16}  # a pass of 17 or 40: chunks
+    # oneDNN's reference loops (correct but far slower) are never used: with a bias per output
+    # row it offers only those here, and such products are not transposed (`serve`)
+    assert not any(p.invariant and p.impl.startswith("ref") for p in plans)
+    if not bias:
+        assert all(p.invariant for p in plans)  # oneDNN's sums: the same order either way
+    run = kernel._Plan.run
+
+    def off_by_a_bit(self, weight_ptr, bias_ptr):
+        run(self, weight_ptr, bias_ptr)
+        if self.transposed:
+            self.dst.view(np.uint32)[0, 0] ^= 1
+
+    monkeypatch.setattr(kernel._Plan, "run", off_by_a_bit)
+    plan = next(p for p in plans if p.rows == 3)
+    plan.invariant = None
+    assert np.array_equal(np.array(wide(x[:, :3])), np.array(usual(x[:, :3])))
+    assert plan.invariant is False
+
+
 def test_the_elementwise_glue_gives_every_row_its_own_values_slab_by_slab():
     """The MLP's gating and the rounding of a product's input walk a prompt's rows `SLAB` at a
     time: every row is what it is alone (a row's values never depend on the pass), the gating
@@ -162,6 +201,13 @@ def _named(kind):
     apart = kind.startswith("bf16") and kernel.decode_impl()
     decode = f" decode-{kernel.decode_impl()}" if apart else ""
     return f"onednn-{kind} x{kernel.default_threads()} r{kernel.REVISION}{decode}"
+
+
+def _bf16_layout():
+    """How a bf16 model's weights are kept, as profiles name it: blocked (`pack`), the head
+    too, except where products are transposed (`kernel.transposes`: the gate/up projection and
+    the head, whose inputs are narrower than their outputs, row-major)."""
+    return "-blocked-transposed" if kernel.transposes() else "-blocked-head"
 
 
 def _served(path, kind):
@@ -561,7 +607,7 @@ def test_load_serves_the_verifier_and_the_draft_through_the_kernel(served_pair, 
     # how often the draft is accepted, never a token); a kind named in ONDEVICE_KERNEL serves both
     want = "int8" if kernel.choice() == "bf16" and kernel.cpu_has_int8() else kernel.choice()
     assert kernel.draft_choice() == want
-    blocked = "-blocked-head" if kernel.choice() == "bf16" else ""  # its weights (`pack`)
+    blocked = _bf16_layout() if kernel.choice() == "bf16" else ""  # its weights (`pack`)
     assert kernel.products(verifier) == _named(f"{kernel.choice()}{blocked}")
     assert kernel.products(draft) == _named(want)
     monkeypatch.setenv(kernel.ENV, kernel.choice())
@@ -744,12 +790,13 @@ def test_a_packed_weights_padding_is_zero(kind):
 
 @pytest.mark.skipif("bf16" not in KINDS, reason="no bf16 dot products on this CPU")
 @pytest.mark.parametrize("tie", [True, False])
-def test_a_bf16_models_weights_are_blocked_and_read_by_row_in_place(tmp_path, tie):
+def test_a_bf16_models_weights_are_blocked_and_read_by_row_in_place(tmp_path, tie, monkeypatch):
     """Layer weights and the head (a tied embedding too) reordered once into oneDNN's blocked
     layout (flat buffers; their values are checked by the plain-parameters test); the
     embedding's lookups and a truncated head's first rows read the packed buffer in place and
     give exactly what the row-major weights give; profiles name the blocked kernel, so older
     ones are remeasured."""
+    monkeypatch.setattr(kernel, "transposes", lambda: False)  # as on a CPU without AMX
     path = tiny.write_model(tmp_path / "m", tie=tie, scale=1.5)
     model = _served(path, "bf16")
     layers = kernel._layer_products(model)
@@ -768,6 +815,53 @@ def test_a_bf16_models_weights_are_blocked_and_read_by_row_in_place(tmp_path, ti
     assert first.shape == (1, 2, 7)
     full = kernel.KernelLinear.__call__(head, h)  # the logits (a tied head: `as_linear`)
     assert np.array_equal(np.array(first), np.array(full)[..., :7])  # rows are independent
+
+
+@pytest.mark.skipif("bf16" not in KINDS, reason="no bf16 dot products on this CPU")
+@pytest.mark.parametrize(("arch", "tie"), [("qwen2", True), ("llama", False)])
+def test_a_model_served_transposed_computes_the_usual_models_logits(
+    tmp_path, arch, tie, monkeypatch
+):
+    """Where bf16 products run on AMX (`kernel.transposes`), the products whose inputs are no
+    wider than their outputs and have no bias (gate/up, o, the head) keep row-major weights
+    and take passes of up to ROWS tokens transposed, the others stay blocked: the logits of
+    every pass, one token to a prompt's, are bitwise the usual model's, the embedding's rows
+    and a truncated head's too, and profiles name the layout (so older ones are remeasured)."""
+    path = tiny.write_model(tmp_path / "m", arch=arch, tie=tie, scale=1.5)
+    served = {}
+    for wide in (False, True):
+        monkeypatch.setattr(kernel, "transposes", lambda wide=wide: wide)
+        served[wide] = _served(path, "bf16")
+    model = served[True]
+    for m in [*kernel._layer_products(model), model.head]:
+        want = m.out_features >= m.in_features and "bias" not in m
+        assert m.transposed == want and m._packed != want, (m.out_features, m.in_features)
+        assert m.weight.ndim == (2 if want else 1)
+    assert model.head.transposed and model.layers[0].mlp.gate_proj._joint.transposed
+    assert not model.layers[0].mlp.down_proj.transposed  # 4x wider inputs than outputs
+    assert kernel.products(model) == _named("bf16-blocked-transposed")
+    assert kernel.batch_invariant(model)
+    prompt = mx.array([5, 9, 14, 3, 22, 7, 11, 40] * 3)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(5, 90, 24)]
+    for sizes in ([1] * 6, [4, 3, 16], [24]):
+        logits = []
+        for m in (served[False], model):
+            cache = m.make_cache()
+            rows = [np.array(m(prompt, cache))]
+            at = 0
+            for n in sizes:
+                rows.append(np.array(m(mx.array(tokens[at : at + n]), cache)))
+                at += n
+            logits.append(np.concatenate(rows, axis=1))
+        assert np.array_equal(*logits), sizes
+    ids = mx.array([[0, 7, 3], [model.head.out_features - 1, 1, 7]])
+    assert np.array_equal(
+        np.array(model.model.embed_tokens(ids)), np.array(served[False].model.embed_tokens(ids))
+    )
+    h = mx.random.normal((1, 2, model.config.hidden_size))
+    assert np.array_equal(
+        np.array(model.head.first_rows(h, 7)), np.array(served[False].head.first_rows(h, 7))
+    )
 
 
 @pytest.mark.skipif("bf16" not in KINDS, reason="no bf16 dot products on this CPU")

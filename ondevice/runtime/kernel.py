@@ -15,7 +15,7 @@ their input (q/k/v, gate/up) become one (`KernelPart`), so a pass makes four a l
 head; the glue still avoids per-product work: weights are converted once at load, one
 primitive is built per (K, N) and reused, and each thread keeps fixed input/output buffers.
 The layers' weights are reordered once, at load, into the blocked layout oneDNN's matmul
-prefers (`_OneDNN.pack`; bf16 and int8 alike): read in MLX's row-major layout, oneDNN reorders
+prefers (`_OneDNN.pack`; bf16 and int8 alike; not where AMX reads them row-major, below): read in MLX's row-major layout, oneDNN reorders
 blocks on every call, which made a bf16 product of an 8960 x 1536 weight take 2.13 ms instead
 of 1.12 ms on the AMD Zen VMs here (the int8 one a quarter more on Intel). A verifier's head
 (a tied embedding too) is blocked as well (`_pack`); its rows are read in place where the
@@ -90,6 +90,23 @@ answer's prefill at its next turn, so the default keeps one implementation for e
 A draft that is the verifier itself (method `self`) needs no such agreement, its rounding
 changing only how often its guesses are accepted: it reads the verifier's weights through
 AVX512-BF16 wherever the CPU has AMX (`one_row_reading`), nothing copied.
+
+AMX at a few rows: oneDNN's AMX matmul multiplies a pass's rows (the left operand, at most 16
+per tile) by weights it reads as the right one, and at one to a few rows it reads them more
+slowly than AVX512-BF16 does. Taken the other way round, `W @ x.T`, the row-major weight is the
+left operand (thousands of rows) and the pass's tokens the right one's few columns: a 17,920 x
+1,536 product (the joined gate and up) took 2.2-2.5 ms over 1 to 16 rows against 2.9-3.0 ms the
+usual way, the tied head 19.5 ms against 29 at one row, with every output bitwise the same as
+the usual product's at every row count (AMX's tiles sum each output's K in the same order
+either way). Products whose inputs are wider than their outputs (the down projection) lose
+that way (5 ms against 1.6), and at a prompt's 128-row chunks the usual way is faster (6.8 ms
+against 23). So where oneDNN's bf16 products run on AMX (`transposes`), a product with at least
+as many outputs as inputs takes its passes of up to `ROWS` rows transposed
+(`KernelLinear.transposed`) and its prompt chunks the usual way, both reading the weight
+row-major: on AMX the blocked layout gains nothing (row-major 2.8 ms against blocked 3.0 at 16
+rows, 6.8 against 10.7 at 128), so these weights are not reordered. A transposed plan too is
+used only where its rows equal the `ROWS` plan's (`_invariant`), which they did at every size
+here (docs/benchmarks.md, "Issue 26, session 21").
 
 Memory: a loader that is told `weight_dtype()` (`ondevice.load` does) rounds each linear weight
 and the embedding to bfloat16 as it reads it (models/weights.py), so no float32 copy of the
@@ -228,7 +245,10 @@ class _Plan:
     """One primitive for a (K, N, dtype, bias) product at `rows` rows, with its memory objects and
     its input/output buffers; owned by one thread (data handles are set per call). `wei_md`: the
     weights' layout where the kernel reordered them at load (int8, `_OneDNN.packed_layout`);
-    None for MLX's own row-major (N, K) buffer."""
+    None for MLX's own row-major (N, K) buffer. `transposed`: the product taken as
+    `W @ x.T`, the row-major weight as the left operand (see "AMX at a few rows" above);
+    its input buffer then holds the rows as columns (`feed`) and its output the results as
+    columns (`result`)."""
 
     def __init__(
         self,
@@ -241,11 +261,13 @@ class _Plan:
         threads: int,
         wei_md: ctypes.c_void_p | None = None,
         impl: str | None = None,
+        transposed: bool = False,
     ):
         lib = dnnl.lib
         self.lib, self.stream = lib, dnnl.stream
         # shape, kind, weights' layout and the implementation asked for
         self.key = (K, N, dtype, bias, wei_md is not None, impl)
+        self.rows, self.transposed = rows, transposed
         self.invariant: bool | None = None  # rows as the padded product's (`_invariant`)
         # OpenMP's thread count is per calling thread: set it for the creation (oneDNN sizes
         # its blocking by it) and for every run of this plan.
@@ -253,15 +275,25 @@ class _Plan:
         self.set_threads = dnnl.set_threads
         self.set_threads(self.threads)
         np_dtype = {_BF16: np.uint16, _S8: np.int8}.get(dtype, np.float32)
-        self.src = np.zeros((rows, K), np_dtype)
-        self.dst = np.zeros((rows, N), np.float32)
-        src_md = dnnl.md((rows, K), dtype, (K, 1))
         own_wei = wei_md is None
-        if own_wei:
-            wei_md = dnnl.md((K, N), dtype, (1, K))  # MLX's (N, K) weight read as K x N
-        dst_md = dnnl.md((rows, N), _F32, (N, 1))
-        bias_md = dnnl.md((1, N), _F32, (N, 1)) if bias else None
-        pd = dnnl.matmul(src_md, wei_md, bias_md, dst_md)
+        if transposed:  # (N, K) weight @ (K, rows) input columns -> (N, rows) output columns
+            assert own_wei, "a transposed product reads the row-major weight"
+            self.src = np.zeros((K, rows), np_dtype)
+            self.dst = np.zeros((N, rows), np.float32)
+            wei_md = dnnl.md((N, K), dtype, (K, 1))  # oneDNN's src: the weight
+            src_md = dnnl.md((K, rows), dtype, (rows, 1))  # oneDNN's weights: the input
+            dst_md = dnnl.md((N, rows), _F32, (rows, 1))
+            bias_md = dnnl.md((N, 1), _F32, (1, 1)) if bias else None
+            pd = dnnl.matmul(wei_md, src_md, bias_md, dst_md)
+        else:
+            self.src = np.zeros((rows, K), np_dtype)
+            self.dst = np.zeros((rows, N), np.float32)
+            src_md = dnnl.md((rows, K), dtype, (K, 1))
+            if own_wei:
+                wei_md = dnnl.md((K, N), dtype, (1, K))  # MLX's (N, K) weight read as K x N
+            dst_md = dnnl.md((rows, N), _F32, (N, 1))
+            bias_md = dnnl.md((1, N), _F32, (N, 1)) if bias else None
+            pd = dnnl.matmul(src_md, wei_md, bias_md, dst_md)
         self.impl = dnnl.impl(pd)
         while impl is not None and self.impl != impl:  # oneDNN's next choice, best first
             if lib.dnnl_primitive_desc_next_impl(pd):  # none left: this machine lacks it
@@ -274,9 +306,11 @@ class _Plan:
         self.prim = prim
         self.wei = dnnl.memory(wei_md, None)
         self.bias = dnnl.memory(bias_md, None) if bias_md is not None else None
+        # the weight's memory (oneDNN's src where transposed) gets its buffer at each run
+        data_arg, wei_arg = (_ARG_WEIGHTS, _ARG_SRC) if transposed else (_ARG_SRC, _ARG_WEIGHTS)
         args = [
-            (_ARG_SRC, dnnl.memory(src_md, self.src.ctypes.data)),
-            (_ARG_WEIGHTS, self.wei),
+            (data_arg, dnnl.memory(src_md, self.src.ctypes.data)),
+            (wei_arg, self.wei),
             (_ARG_DST, dnnl.memory(dst_md, self.dst.ctypes.data)),
         ]
         if self.bias is not None:
@@ -286,6 +320,18 @@ class _Plan:
         for md in (src_md, wei_md if own_wei else None, dst_md, bias_md):
             if md is not None:
                 lib.dnnl_memory_desc_destroy(md)
+
+    def feed(self, rows: np.ndarray) -> None:
+        """The input rows (n, K), n <= the plan's rows, into the plan's input buffer."""
+        if self.transposed:
+            self.src[:, : len(rows)] = rows.T
+        else:
+            self.src[: len(rows)] = rows
+
+    def result(self, n: int) -> np.ndarray:
+        """The first n rows' results (n, N): a view of the plan's output buffer, valid until
+        its next run (transposed: a strided view of its columns)."""
+        return self.dst[:, :n].T if self.transposed else self.dst[:n]
 
     def run(self, weight_ptr: int, bias_ptr: int | None) -> None:
         lib = self.lib
@@ -522,20 +568,23 @@ class _OneDNN:
         threads: int = 0,
         packed: bool = False,
         impl: str | None = None,
+        transposed: bool = False,
     ) -> _Plan:
         """The plan of a product (threads: 0 = `default_threads()`) whose weights are read in
         `packed_layout` (`packed`) or in MLX's row-major layout, by oneDNN's first choice of
-        implementation or the one named (`impl`)."""
+        implementation or the one named (`impl`), as `x @ W.T` or as `W @ x.T` (`transposed`,
+        row-major weights only)."""
         if threads <= 0:
             threads = default_threads()
         plans = getattr(self._local, "plans", None)
         if plans is None:
             plans = self._local.plans = {}
-        key = (K, N, dtype, bias, rows, threads, packed, impl)
+        key = (K, N, dtype, bias, rows, threads, packed, impl, transposed)
         p = plans.get(key)
         if p is None:
             layout = self.packed_layout(K, N, dtype) if packed else None
-            p = plans[key] = _Plan(self, K, N, dtype, bias, rows, threads, layout, impl)
+            p = _Plan(self, K, N, dtype, bias, rows, threads, layout, impl, transposed)
+            plans[key] = p
         return p
 
 
@@ -624,6 +673,13 @@ def one_row_impl() -> str | None:
     return AVX512_BF16 if {"amx_bf16", "avx512_bf16"} <= _cpu_flags() else None
 
 
+def transposes() -> bool:
+    """Whether a bf16 product with at least as many outputs as inputs takes its passes of up to
+    `ROWS` rows as `W @ x.T` (see "AMX at a few rows" above): where oneDNN's bf16 products run
+    on AMX (the CPU has it) and decoding passes are not asked elsewhere (`decode_impl`)."""
+    return "amx_bf16" in _cpu_flags() and decode_impl() is None
+
+
 def prompts_apart(model: nn.Module) -> bool:
     """Whether this served model computes prompt passes with other instructions than decoding
     passes, so that a prompt's rows are not bitwise a decoded sequence's (see "Prompts apart"
@@ -653,6 +709,8 @@ def status() -> dict[str, Any]:
         out["draft"] = draft_choice()
         if kind == "bf16" and decode_impl() is not None:  # see "Prompts apart" above
             out["decode"], out["prompts"] = "AVX512-BF16", "AMX"
+        if kind == "bf16" and transposes():  # see "AMX at a few rows" above
+            out["few_rows"] = "AMX, the weight as the left operand (products with N >= K)"
     return out
 
 
@@ -980,6 +1038,7 @@ class KernelLinear(nn.Module):
 
     threads = 0  # OpenMP threads per product (0: `default_threads()`)
     decode_impl: str | None = None  # a bf16 product's in decoding passes (`decode_impl()`)
+    transposed = False  # passes of up to ROWS rows as `W @ x.T` (see "AMX at a few rows")
 
     def __init__(self, weight: mx.array, bias: mx.array | None, kind: str):
         super().__init__()
@@ -1016,8 +1075,9 @@ class KernelLinear(nn.Module):
 
     def pack(self) -> None:
         """Keep a bf16 weight in oneDNN's blocked layout (in place, as `to_int8`); the weight
-        becomes a flat bf16 buffer, which `dense()` reads back."""
-        if self._dtype != _BF16 or self._packed:
+        becomes a flat bf16 buffer, which `dense()` reads back. Not a transposed product's,
+        which reads the weight row-major (see "AMX at a few rows" above)."""
+        if self._dtype != _BF16 or self._packed or self.transposed:
             return
         self.weight = mx.array(_dnnl.pack(self._np_weight)).view(mx.bfloat16)  # type: ignore[union-attr]
         self._packed = True
@@ -1136,25 +1196,30 @@ class KernelLinear(nn.Module):
         )
         # In chunks of PREFILL_ROWS (a decoding pass computed apart from prompts: of ROWS, as its
         # own passes), the last one at the smallest plan that holds it (`CHUNKS`), each plan
-        # used only where it gives every row what the ROWS plan gives (`_invariant`).
+        # used only where it gives every row what the ROWS plan gives (`_invariant`); up to
+        # ROWS rows transposed where this product is (see "AMX at a few rows" above).
+        transposed = self.transposed and impl is None
         full = None
         i = 0
         while i < M:
             n = min(M - i, ROWS if impl is not None else PREFILL_ROWS)
-            plan = plan_of(n if n <= ROWS else next(c for c in CHUNKS if c >= n))
+            if n <= ROWS:
+                plan = plan_of(n, transposed=transposed)
+            else:
+                plan = plan_of(next(c for c in CHUNKS if c >= n))
             if plan.invariant is None:
                 plan.invariant = self._invariant(plan, src[i : i + n], bias_ptr)
             if not plan.invariant:
                 n = min(n, ROWS)
                 plan = plan_of(ROWS)
-            plan.src[:n] = src[i : i + n]
+            plan.feed(src[i : i + n])
             plan.run(self._weight_ptr, bias_ptr)
             if n == M:
-                full = plan.dst[:M]  # a view: valid until this thread's next such product
+                full = plan.result(M)  # a view: valid until this thread's next such product
                 break
             if full is None:
                 full = np.empty((M, N), np.float32)
-            full[i : i + n] = plan.dst[:n]
+            full[i : i + n] = plan.result(n)
             i += n
         assert full is not None
         if scale is not None:  # the int32 sums scaled back (in numpy, as the rounding), in
@@ -1169,20 +1234,22 @@ class KernelLinear(nn.Module):
         product at `ROWS` rows gives them, `ROWS` at a time (see "Batch invariance" above): a
         kernel whose sums ran in another order at another M would differ in some of the N
         outputs' last bits."""
-        if plan.src.shape[0] == ROWS:
+        if plan.rows == ROWS and not plan.transposed:
             return True
+        if plan.impl.startswith("ref"):  # oneDNN's reference loops: correct, but far slower
+            return False
         M = src.shape[0]
         K, N, dtype, bias, packed, impl = plan.key
         padded = _dnnl.plan(K, N, dtype, bias, ROWS, plan.threads, packed, impl)  # type: ignore[union-attr]
         want = np.empty((M, N), np.float32)
         for i in range(0, M, ROWS):
             n = min(ROWS, M - i)
-            padded.src[:n] = src[i : i + n]
+            padded.feed(src[i : i + n])
             padded.run(self._weight_ptr, bias_ptr)
-            want[i : i + n] = padded.dst[:n]
-        plan.src[:M] = src
+            want[i : i + n] = padded.result(n)
+        plan.feed(src)
         plan.run(self._weight_ptr, bias_ptr)
-        return bool(np.array_equal(plan.dst[:M], want))
+        return bool(np.array_equal(plan.result(M), want))
 
 
 def _round_bf16(rows: np.ndarray) -> np.ndarray:
@@ -1327,6 +1394,8 @@ def products(model: nn.Module) -> str:
         kind = "bf16-blocked"
     if getattr(model.head, "_packed", False):  # type: ignore[union-attr]
         kind += "-head"
+    if any(m.transposed for m in served):
+        kind += "-transposed"
     decode = f" decode-{served[0].decode_impl}" if prompts_apart(model) else ""
     return f"onednn-{kind} x{served[0].threads or default_threads()} r{REVISION}{decode}"
 
@@ -1369,11 +1438,13 @@ def serve(
         else:
             _pack(model)  # the (bf16) head
     elif kind == "bf16":
-        _pack(model)
         impl = decode_impl()  # see "Prompts apart" above
+        wide = transposes()  # see "AMX at a few rows" above
         for _, m in model.named_modules():
             if isinstance(m, KernelLinear):
                 m.decode_impl = impl
+                m.transposed = wide and m.out_features >= m.in_features and "bias" not in m
+        _pack(model)
     return kind
 
 
@@ -1549,7 +1620,7 @@ def one_row_reading(module: nn.Module, rows: int | None = None) -> nn.Module | N
         return None
 
     def read(m: KernelLinear) -> KernelLinear:
-        if m._dtype != _BF16:
+        if m._dtype != _BF16 or m.transposed:  # a transposed one is already read as fast
             return m
         out = _as_product(m)  # the same weights, another implementation
         out.decode_impl = impl
