@@ -157,6 +157,7 @@ def test_a_transposed_product_gives_every_row_the_usual_products_bits(bias, monk
     plan.invariant = None
     assert np.array_equal(np.array(wide(x[:, :3])), np.array(usual(x[:, :3])))
     assert plan.invariant is False
+    plan.invariant = None  # checked again by the next product of this shape
 
 
 def test_the_elementwise_glue_gives_every_row_its_own_values_slab_by_slab():
@@ -704,6 +705,8 @@ def test_doctor_names_the_kernel(monkeypatch):
     if kernel.draft_choice() == "int8" != kernel.choice():
         line += "; int8 weights, int8 dot products, serve an MLX draft"
     assert line + " (the default)" in doctor.render(doctor.collect())
+    few = "; passes of a few tokens: AMX, the weight as the left operand where N >= K\n"
+    assert (few in doctor.render(doctor.collect())) == ("bf16" in KINDS and kernel.transposes())
     monkeypatch.setenv(kernel.ENV, "auto")
     assert line + " (ONDEVICE_KERNEL=auto)" in doctor.render(doctor.collect())
     monkeypatch.setenv(kernel.ENV, "bf16" if "bf16" in KINDS else "f32")

@@ -218,12 +218,11 @@ def _kernel_line(k: dict[str, Any]) -> str:
     line = f"oneDNN {k['kernel']} weights, {dots.get(k['kernel'], 'float32')}, serves the verifier"
     if k.get("decode"):
         line += f" (decoding on {k['decode']}, prompts on {k['prompts']})"
-    if k.get("few_rows"):
-        line += f" (passes of a few tokens: {k['few_rows']})"
     draft = k.get("draft", k["kernel"])
     if draft != k["kernel"]:
         line += f"; {draft} weights, {dots.get(draft, 'float32')}, serve an MLX draft"
-    return f"{line} ({how}) ({k['library']})"
+    few = f"; passes of a few tokens: {k['few_rows']}" if k.get("few_rows") else ""
+    return f"{line} ({how}) ({k['library']}){few}"
 
 
 def _mapped_libraries() -> list[str]:

@@ -710,7 +710,7 @@ def status() -> dict[str, Any]:
         if kind == "bf16" and decode_impl() is not None:  # see "Prompts apart" above
             out["decode"], out["prompts"] = "AVX512-BF16", "AMX"
         if kind == "bf16" and transposes():  # see "AMX at a few rows" above
-            out["few_rows"] = "AMX, the weight as the left operand (products with N >= K)"
+            out["few_rows"] = "AMX, the weight as the left operand where N >= K"
     return out
 
 
