@@ -325,7 +325,8 @@ def test_a_self_draft_reads_the_verifiers_own_weights_by_the_one_row_implementat
     """By default (no copies asked for) the draft's kept layers and head read the very same
     bf16 buffers as the verifier, through AVX512-BF16's products in its decoding passes (on a
     CPU with AMX, where the verifier's passes get AMX's; elsewhere asked for here, so that the
-    path runs on every CPU with AVX512-BF16), and self-speculation still gives plain's tokens."""
+    path runs on every CPU with AVX512-BF16) except where the verifier's own reading is the
+    faster one (its transposed products), and self-speculation still gives plain's tokens."""
     want = kernel.one_row_impl() or kernel.AVX512_BF16
     monkeypatch.setattr(kernel, "one_row_impl", lambda: want)
     monkeypatch.setattr(kernel, "DRAFT_VOCAB", 64)  # the head's first 64 ids of 96, in place
@@ -347,20 +348,24 @@ def test_a_self_draft_reads_the_verifiers_own_weights_by_the_one_row_implementat
     assert view.head.out_features == (view.config.draft_vocab_size or m.head.out_features)
     if view.head.out_features < m.head.out_features:  # read in place where the layout allows
         assert view.head.out_features == 64 and m.head.prefix(64) is not None
-    impls: list[str] = []
+    impls: list[tuple[bool, str]] = []
     run = kernel._Plan.run
 
     def spy(plan, *args):
         if plan.key[2] == kernel._BF16:
-            impls.append(plan.impl)
+            impls.append((plan.transposed, plan.impl))
         run(plan, *args)
 
     monkeypatch.setattr(kernel._Plan, "run", spy)
     engine = MLXEngine(view)
     engine.feed(_prompts()[1])
+    engine.feed([7])  # a first decoding pass: its plans are checked (`_invariant`)
     impls.clear()
-    engine.feed([7])  # a decoding pass: every bf16 product the one-row implementation's
-    assert impls and set(impls) == {want}
+    engine.feed([8])  # a decoding pass: every bf16 product the one-row implementation's...
+    assert impls and {impl for t, impl in impls if not t} == {want}
+    # ...but those the verifier takes transposed (AMX at a few rows, on their row-major weights:
+    # faster there than AVX512-BF16 on the same buffer), which the draft reads as it does
+    assert any(t for t, _ in impls) == kernel.transposes()
     monkeypatch.setattr(kernel._Plan, "run", run)
     _profiled(m)
     layer_skip._MEMORY.clear()

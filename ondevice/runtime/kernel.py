@@ -1620,10 +1620,11 @@ def one_row_reading(module: nn.Module, rows: int | None = None) -> nn.Module | N
         return None
 
     def read(m: KernelLinear) -> KernelLinear:
-        if m._dtype != _BF16 or m.transposed:  # a transposed one is already read as fast
+        if m._dtype != _BF16:
             return m
-        out = _as_product(m)  # the same weights, another implementation
-        out.decode_impl = impl
+        out = _as_product(m)  # the same weights, another implementation...
+        if not m.transposed:  # ...but where the verifier's own reading is the faster one
+            out.decode_impl = impl  # (AMX transposed, on a row-major weight: "AMX at a few rows")
         return out
 
     if isinstance(module, KernelLinear):
