@@ -206,8 +206,8 @@ def _named(kind):
 
 def _bf16_layout():
     """How a bf16 model's weights are kept, as profiles name it: blocked (`pack`), the head
-    too, except where products are transposed (`kernel.transposes`: the gate/up projection and
-    the head, whose inputs are narrower than their outputs, row-major)."""
+    too, except where products are transposed (`kernel.transposes`: those whose inputs are no
+    wider than their outputs, the head among them, are kept row-major)."""
     return "-blocked-transposed" if kernel.transposes() else "-blocked-head"
 
 

@@ -15,8 +15,8 @@ their input (q/k/v, gate/up) become one (`KernelPart`), so a pass makes four a l
 head; the glue still avoids per-product work: weights are converted once at load, one
 primitive is built per (K, N) and reused, and each thread keeps fixed input/output buffers.
 The layers' weights are reordered once, at load, into the blocked layout oneDNN's matmul
-prefers (`_OneDNN.pack`; bf16 and int8 alike; not where AMX reads them row-major, below): read in MLX's row-major layout, oneDNN reorders
-blocks on every call, which made a bf16 product of an 8960 x 1536 weight take 2.13 ms instead
+prefers (`_OneDNN.pack`; bf16 and int8 alike; not where AMX reads them row-major, "AMX at a
+few rows" below): read in MLX's row-major layout, oneDNN reorders blocks on every call, which made a bf16 product of an 8960 x 1536 weight take 2.13 ms instead
 of 1.12 ms on the AMD Zen VMs here (the int8 one a quarter more on Intel). A verifier's head
 (a tied embedding too) is blocked as well (`_pack`); its rows are read in place where the
 layout puts them (`_OneDNN.offsets`, `KernelLinear.rows`). An int8 draft's bf16 head stays row-major
@@ -91,7 +91,8 @@ answer's prefill at its next turn, so the default keeps one implementation for e
 against the option's 165, its 8-token pass 205 against 259: "Issue 26, session 21".)
 A draft that is the verifier itself (method `self`) needs no such agreement, its rounding
 changing only how often its guesses are accepted: it reads the verifier's weights through
-AVX512-BF16 wherever the CPU has AMX (`one_row_reading`), nothing copied.
+AVX512-BF16 wherever the CPU has AMX (`one_row_reading`), nothing copied, except those the
+verifier reads transposed (below), which AMX reads faster that way on their row-major buffer.
 
 AMX at a few rows: oneDNN's AMX matmul multiplies a pass's rows (the left operand, at most 16
 per tile) by weights it reads as the right one, and at one to a few rows it reads them more
@@ -103,7 +104,8 @@ the usual product's at every row count (AMX's tiles sum each output's K in the s
 either way). Products whose inputs are wider than their outputs (the down projection) lose
 that way (5 ms against 1.6), and at a prompt's 128-row chunks the usual way is faster (6.8 ms
 against 23). So where oneDNN's bf16 products run on AMX (`transposes`), a product with at least
-as many outputs as inputs takes its passes of up to `ROWS` rows transposed
+as many outputs as inputs and no bias (for a bias per output row oneDNN offers only its
+reference loops) takes its passes of up to `ROWS` rows transposed
 (`KernelLinear.transposed`) and its prompt chunks the usual way, both reading the weight
 row-major: on AMX the blocked layout gains nothing (row-major 2.8 ms against blocked 3.0 at 16
 rows, 6.8 against 10.7 at 128), so these weights are not reordered. A transposed plan too is
