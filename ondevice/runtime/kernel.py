@@ -16,8 +16,8 @@ head; the glue still avoids per-product work: weights are converted once at load
 primitive is built per (K, N) and reused, and each thread keeps fixed input/output buffers.
 The layers' weights are reordered once, at load, into the blocked layout oneDNN's matmul
 prefers (`_OneDNN.pack`; bf16 and int8 alike; not where AMX reads them row-major, "AMX at a
-few rows" below): read in MLX's row-major layout, oneDNN reorders blocks on every call, which made a bf16 product of an 8960 x 1536 weight take 2.13 ms instead
-of 1.12 ms on the AMD Zen VMs here (the int8 one a quarter more on Intel). A verifier's head
+few rows" below): read in MLX's row-major layout, oneDNN reorders blocks on every call, which
+made a bf16 product of an 8960 x 1536 weight take 2.13 ms instead of 1.12 ms on the AMD Zen VMs here (the int8 one a quarter more on Intel). A verifier's head
 (a tied embedding too) is blocked as well (`_pack`); its rows are read in place where the
 layout puts them (`_OneDNN.offsets`, `KernelLinear.rows`). An int8 draft's bf16 head stays row-major
 beside its int8 one (`_draft_head`).
