@@ -69,7 +69,9 @@ def test_a_product_runs_at_its_own_rows_only_where_they_are_the_padded_products(
         lin.pack()
     x = mx.random.normal((3, 96), key=mx.random.key(2))
     want = np.array(lin(mx.concatenate([x, mx.zeros((kernel.ROWS - 3, 96))]))[:3])
-    plan = kernel._dnnl.plan(96, 300, lin._dtype, False, 3, 0, lin._packed)
+    few = kind == "int8" and kernel._dnnl.few_rows_layout(96, 300, kernel._S8) is not None
+    impl = kernel.VNNI if few else None  # see "int8 at a few rows"
+    plan = kernel._dnnl.plan(96, 300, lin._dtype, False, 3, 0, lin._packed, impl)
     plan.invariant = None
     assert np.array_equal(np.array(lin(x)), want)
     assert plan.invariant is True  # oneDNN's kernels: the same sums at every M (here)
@@ -705,8 +707,11 @@ def test_doctor_names_the_kernel(monkeypatch):
     if kernel.draft_choice() == "int8" != kernel.choice():
         line += "; int8 weights, int8 dot products, serve an MLX draft"
     assert line + " (the default)" in doctor.render(doctor.collect())
-    few = "; passes of a few tokens: AMX, the weight as the left operand where N >= K\n"
-    assert (few in doctor.render(doctor.collect())) == ("bf16" in KINDS and kernel.transposes())
+    text = doctor.render(doctor.collect())
+    few = "; passes of a few tokens: AMX, the weight as the left operand where N >= K"
+    assert (few in text) == ("bf16" in KINDS and kernel.transposes())
+    vnni = {"amx_int8", "avx512_vnni"} <= kernel._cpu_flags() and "int8" in KINDS
+    assert (f"int8 at up to {kernel.FEW_ROWS} rows on AVX512-VNNI\n" in text) == vnni
     monkeypatch.setenv(kernel.ENV, "auto")
     assert line + " (ONDEVICE_KERNEL=auto)" in doctor.render(doctor.collect())
     monkeypatch.setenv(kernel.ENV, "bf16" if "bf16" in KINDS else "f32")
@@ -907,6 +912,49 @@ def test_packed_offsets_read_every_element_where_onednn_put_it():
             packed = kernel._dnnl.pack(w)
             by_n, by_k = kernel._dnnl.offsets(K, N, dnnl_type)
             assert np.array_equal(packed[by_n[:, None] + by_k], w)
+
+
+@pytest.mark.skipif("int8" not in KINDS, reason="int8 is tested where the CPU has bf16 and int8")
+def test_an_int8_product_of_a_few_rows_reads_the_same_buffer_on_vnni(monkeypatch):
+    """Where AMX is oneDNN's first int8 choice (see "int8 at a few rows"), passes of up to
+    FEW_ROWS rows run on AVX512-VNNI from the one buffer, whose bytes begin with AMX's layout,
+    and give every row bitwise what AMX's padded ROWS plan gives (a prompt's chunks still run
+    on AMX); a VNNI plan made to differ in one last bit is found out and its pass runs padded
+    to ROWS on AMX instead. Elsewhere nothing runs on VNNI."""
+    K, N = 96, 300
+    w = mx.random.normal((N, K), key=mx.random.key(3))
+    x = mx.random.normal((1, 40, K), key=mx.random.key(4))
+    lin = kernel.KernelLinear(w, None, "int8")
+    few = kernel._dnnl.few_rows_layout(K, N, kernel._S8)
+    amx = kernel._dnnl._first[(K, N, kernel._S8)] == kernel.AMX
+    assert (few is not None) == (amx and "avx512_vnni" in kernel._cpu_flags())
+    got = {M: np.array(lin(x[:, :M])) for M in (1, 2, 3, 4, 5, 8, 16, 17, 40)}
+    plans = [p for p in kernel._dnnl._local.plans.values() if p.key[:2] == (K, N)]
+    vnni = {p.rows for p in plans if p.impl == kernel.VNNI}
+    assert vnni == ({1, 2, 3, 4} if few is not None else set())
+    assert all(p.invariant is not False for p in plans)
+    # the same product where the buffer holds AMX's layout alone: the same bits at every M
+    monkeypatch.setitem(kernel._dnnl._few, (K, N, kernel._S8), None)
+    alone = kernel.KernelLinear(w, None, "int8")
+    assert alone._np_weight.nbytes <= lin._np_weight.nbytes
+    for M, rows in got.items():
+        assert np.array_equal(np.array(alone(x[:, :M])), rows), M
+    if few is None:
+        return
+    monkeypatch.undo()
+    run = kernel._Plan.run
+
+    def off_by_a_bit(self, weight_ptr, bias_ptr):
+        run(self, weight_ptr, bias_ptr)
+        if self.impl == kernel.VNNI:
+            self.dst.view(np.uint32)[0, 0] ^= 1
+
+    monkeypatch.setattr(kernel._Plan, "run", off_by_a_bit)
+    plan = next(p for p in plans if p.impl == kernel.VNNI and p.rows == 3)
+    plan.invariant = None
+    assert np.array_equal(np.array(lin(x[:, :3])), got[3])
+    assert plan.invariant is False
+    plan.invariant = None  # checked again by the next product of this shape
 
 
 @pytest.mark.skipif("int8" not in KINDS, reason="int8 is tested where the CPU has bf16 and int8")

@@ -128,6 +128,15 @@ seed, sampled: the sequential and the pipelined decoder agree whatever the draft
 by default an MLX draft gets int8 wherever the CPU has int8 dot products (`draft_choice`): its
 step costs a fifth less. The head and the embedding stay bf16 (`_to_int8`).
 
+int8 at a few rows: where AMX is oneDNN's first choice for int8 products (Intel Xeon since
+Sapphire Rapids), AVX512-VNNI's kernel reads the same weights faster at one to four rows (the
+0.5B draft's joined gate/up 0.40 against 0.47 ms at one row, its down projection 0.20 against
+0.26, its head 2.7 against 2.9) and slower from eight. VNNI's blocked layout is AMX's with
+the sums for its unsigned-input correction after it, so one buffer in VNNI's layout serves
+both (`_OneDNN.few_rows_layout`, checked per shape): products of up to `FEW_ROWS` rows (a
+draft's steps) run on VNNI, prompts on AMX, and integer sums make their rows the same
+(`_invariant` checks it as for every plan; docs/benchmarks.md, "Issue 26, session 22").
+
 The draft's head: a draft's head is about a quarter of its step (the 0.5B draft's tied head is
 151,936 x 896). An int8 draft gets an int8 head over the first `DRAFT_VOCAB` token ids only
 (`_draft_head`): BPE vocabularies number their tokens in merge order, the commonest first, and
@@ -188,11 +197,14 @@ KEY_BLOCK = 128  # attention reads the keys in blocks of this many (see `attenti
 # whole (400, 8960) arrays streamed through memory once a pass (gating 9.6 -> 5.1 ms, rounding
 # 8.2 -> 2.2 ms: docs/benchmarks.md, "Issue 26, session 18")
 SLAB = 8
-REVISION = 4  # in profiles' names: raised when a change of this module changes pass costs
+REVISION = 5  # in profiles' names: raised when a change of this module changes pass costs
 THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default: all usable)
 DECODE_ENV = "ONDEVICE_KERNEL_DECODE"  # bf16 decoding passes: `prompt` (as prompts) or `avx512`
 DECODE_CHOICES = ("prompt", "avx512")
 AVX512_BF16 = "brg:avx512_core_bf16"  # oneDNN's name for its AVX512-BF16 matmul
+AMX = "brg:avx512_core_amx"  # ...for its AMX matmul
+VNNI = "brg:avx512_core_vnni"  # ...for its AVX512-VNNI matmul
+FEW_ROWS = 4  # int8 products of up to this many rows run on VNNI beside AMX ("int8 at a few rows")
 
 # oneDNN C API constants (dnnl_types.h, oneDNN 3.x)
 _F32, _BF16, _S8 = 3, 2, 5  # dnnl_data_type_t
@@ -400,7 +412,9 @@ class _OneDNN:
         # flags 0: the default stream (in-order; execution on the CPU returns when done)
         self.check(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, 1), "stream")
         self._local = threading.local()
-        self._layouts: dict[tuple[int, int, int], ctypes.c_void_p] = {}
+        self._layouts: dict[tuple[int, int, int, str | None], ctypes.c_void_p] = {}
+        self._few: dict[tuple[int, int, int], ctypes.c_void_p | None] = {}
+        self._first: dict[tuple[int, int, int], str] = {}  # the implementation packed_layout's is
         self._offsets: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         omp = ctypes.CDLL("libgomp.so.1")  # oneDNN's OpenMP runtime, already loaded with it
         self.set_threads = omp.omp_set_num_threads
@@ -448,11 +462,12 @@ class _OneDNN:
         )
         return pd
 
-    def packed_layout(self, K: int, N: int, dtype: int) -> ctypes.c_void_p:
+    def packed_layout(self, K: int, N: int, dtype: int, impl: str | None = None) -> ctypes.c_void_p:
         """The weights' layout oneDNN's matmul prefers at `ROWS` rows (blocked for its dot
         product instructions), chosen once per shape; every plan of that shape, the prompt's
-        too, reads weights in this layout, so they are reordered once at load (`pack`)."""
-        key = (K, N, dtype)
+        too, reads weights in this layout, so they are reordered once at load (`pack`).
+        impl: the layout the implementation named asks for instead (`few_rows_layout`)."""
+        key = (K, N, dtype, impl)
         if key not in self._layouts:
             lib = self.lib
             any_md = ctypes.c_void_p()
@@ -466,15 +481,51 @@ class _OneDNN:
             dst_md = self.md((ROWS, N), _F32, (N, 1))
             self.set_threads(default_threads())
             pd = self.matmul(src_md, any_md, None, dst_md)
+            if impl is None:
+                self._first[key[:3]] = self.impl(pd)
+            found = impl is None or self.impl(pd) == impl
+            while not found and not lib.dnnl_primitive_desc_next_impl(pd):
+                found = self.impl(pd) == impl
             chosen = ctypes.c_void_p()
-            lib.dnnl_memory_desc_clone(
-                ctypes.byref(chosen), lib.dnnl_primitive_desc_query_md(pd, _QUERY_WEIGHTS_MD, 0)
-            )
+            if found:
+                lib.dnnl_memory_desc_clone(
+                    ctypes.byref(chosen), lib.dnnl_primitive_desc_query_md(pd, _QUERY_WEIGHTS_MD, 0)
+                )
             lib.dnnl_primitive_desc_destroy(pd)
             for md in (any_md, src_md, dst_md):
                 lib.dnnl_memory_desc_destroy(md)
+            if not found:
+                raise RuntimeError(f"oneDNN offers no {impl} matmul for a {K}x{N} product")
             self._layouts[key] = chosen
         return self._layouts[key]
+
+    def few_rows_layout(self, K: int, N: int, dtype: int) -> ctypes.c_void_p | None:
+        """Where int8 products of up to `FEW_ROWS` rows run on AVX512-VNNI beside AMX (see
+        "int8 at a few rows" above): VNNI's layout of a (K, N) weight, whose bytes begin with
+        the `packed_layout` (AMX's) of the same weight, so that one buffer serves both (checked
+        once per shape on random weights); None where the first choice is not AMX, VNNI is not
+        offered or its layout is another."""
+        key = (K, N, dtype)
+        if key not in self._few:
+            self._few[key] = None
+            first = self.packed_layout(K, N, dtype)
+            if dtype == _S8 and self._first[(K, N, dtype)] == AMX:
+                try:
+                    few = self.packed_layout(K, N, dtype, VNNI)
+                except RuntimeError:
+                    return None
+                size = self.lib.dnnl_memory_desc_get_size(first)
+                w = np.random.default_rng(0).integers(-127, 128, (N, K), dtype=np.int8)
+                both = [
+                    np.zeros(self.lib.dnnl_memory_desc_get_size(md), np.int8) for md in (first, few)
+                ]
+                plain = self.md((K, N), dtype, (1, K))
+                for md, out in zip((first, few), both):
+                    self.reorder(plain, w, md, out)
+                self.lib.dnnl_memory_desc_destroy(plain)
+                if len(both[1]) >= size and np.array_equal(both[0], both[1][:size]):
+                    self._few[key] = few
+        return self._few[key]
 
     def reorder(
         self, src_md: ctypes.c_void_p, src: np.ndarray, dst_md: ctypes.c_void_p, dst: np.ndarray
@@ -504,7 +555,8 @@ class _OneDNN:
         """A row-major (N, K) int8 or bf16 (as uint16) weight in `packed_layout` (flat)."""
         N, K = weight.shape
         dtype = _NP_KINDS[weight.dtype.type]
-        layout = self.packed_layout(K, N, dtype)
+        # where int8 products of a few rows run on VNNI, its layout: AMX's, then VNNI's extra
+        layout = self.few_rows_layout(K, N, dtype) or self.packed_layout(K, N, dtype)
         size = self.lib.dnnl_memory_desc_get_size(layout) // weight.itemsize
         out = np.zeros(size, weight.dtype)  # its padding too: fingerprints read these bytes
         plain = self.md((K, N), dtype, (1, K))
@@ -586,7 +638,10 @@ class _OneDNN:
         key = (K, N, dtype, bias, rows, threads, packed, impl, transposed)
         p = plans.get(key)
         if p is None:
-            layout = self.packed_layout(K, N, dtype) if packed else None
+            layout = None
+            if packed:
+                few = impl == VNNI and self.few_rows_layout(K, N, dtype)
+                layout = few or self.packed_layout(K, N, dtype)
             p = _Plan(self, K, N, dtype, bias, rows, threads, layout, impl, transposed)
             plans[key] = p
         return p
@@ -713,8 +768,13 @@ def status() -> dict[str, Any]:
         out["draft"] = draft_choice()
         if kind == "bf16" and decode_impl() is not None:  # see "Prompts apart" above
             out["decode"], out["prompts"] = "AVX512-BF16", "AMX"
+        few = []
         if kind == "bf16" and transposes():  # see "AMX at a few rows" above
-            out["few_rows"] = "AMX, the weight as the left operand where N >= K"
+            few.append("AMX, the weight as the left operand where N >= K")
+        if "int8" in (kind, out["draft"]) and {"amx_int8", "avx512_vnni"} <= _cpu_flags():
+            few.append(f"int8 at up to {FEW_ROWS} rows on AVX512-VNNI")  # "int8 at a few rows"
+        if few:
+            out["few_rows"] = "; ".join(few)
     return out
 
 
@@ -1157,6 +1217,12 @@ class KernelLinear(nn.Module):
             and size <= self._np_weight.nbytes
         ):
             return None
+        return self.first_outputs(N)
+
+    def first_outputs(self, N: int) -> KernelLinear:
+        """A product over this one's first N outputs that reads its buffer in place: a
+        row-major weight's first rows are a prefix of it (a packed one's where `prefix`
+        says)."""
         out = _as_product(self)
         out.out_features = N
         if self._np_bias is not None:
@@ -1203,16 +1269,20 @@ class KernelLinear(nn.Module):
         # used only where it gives every row what the ROWS plan gives (`_invariant`); up to
         # ROWS rows transposed where this product is (see "AMX at a few rows" above).
         transposed = self.transposed and impl is None
+        # int8 at up to FEW_ROWS rows: VNNI's kernel where the buffer holds its layout too
+        few = self._dtype == _S8 and _dnnl.few_rows_layout(K, N, _S8) is not None  # type: ignore[union-attr]
         full = None
         i = 0
         while i < M:
             n = min(M - i, ROWS if impl is not None else PREFILL_ROWS)
-            if n <= ROWS:
+            if few and n <= FEW_ROWS:
+                plan = plan_of(n, impl=VNNI)
+            elif n <= ROWS:
                 plan = plan_of(n, transposed=transposed)
             else:
                 plan = plan_of(next(c for c in CHUNKS if c >= n))
             if plan.invariant is None:
-                plan.invariant = self._invariant(plan, src[i : i + n], bias_ptr)
+                plan.invariant = self._invariant(plan, src[i : i + n], bias_ptr, impl)
             if not plan.invariant:
                 n = min(n, ROWS)
                 plan = plan_of(ROWS)
@@ -1233,17 +1303,19 @@ class KernelLinear(nn.Module):
                 full += self._np_bias
         return full.reshape(*lead, N)
 
-    def _invariant(self, plan: _Plan, src: np.ndarray, bias_ptr: int | None) -> bool:
+    def _invariant(
+        self, plan: _Plan, src: np.ndarray, bias_ptr: int | None, impl: str | None
+    ) -> bool:
         """Whether `plan` gives `src`'s rows (as many as the plan's or fewer) exactly what the
-        product at `ROWS` rows gives them, `ROWS` at a time (see "Batch invariance" above): a
-        kernel whose sums ran in another order at another M would differ in some of the N
-        outputs' last bits."""
-        if plan.rows == ROWS and not plan.transposed:
+        product at `ROWS` rows by `impl` (the pass's: oneDNN's first choice, or `decode_impl`)
+        gives them, `ROWS` at a time (see "Batch invariance" above): a kernel whose sums ran in
+        another order at another M would differ in some of the N outputs' last bits."""
+        K, N, dtype, bias, packed, own = plan.key
+        if plan.rows == ROWS and not plan.transposed and own == impl:
             return True
         if plan.impl.startswith("ref"):  # oneDNN's reference loops: correct, but far slower
             return False
         M = src.shape[0]
-        K, N, dtype, bias, packed, impl = plan.key
         padded = _dnnl.plan(K, N, dtype, bias, ROWS, plan.threads, packed, impl)  # type: ignore[union-attr]
         want = np.empty((M, N), np.float32)
         for i in range(0, M, ROWS):
@@ -1617,8 +1689,9 @@ def one_row_reading(module: nn.Module, rows: int | None = None) -> nn.Module | N
     the output, so it may read the verifier's weights by whatever reads them fastest. None
     where there is no such implementation or the kernel does not serve the module in bf16.
 
-    rows: for a packed head, its first `rows` outputs only where they are read in place
-    (`KernelLinear.prefix`), as an int8 draft's head (`_draft_head`); else all of them."""
+    rows: for a head, its first `rows` outputs only (as an int8 draft's head, `_draft_head`)
+    where they are read in place (a row-major weight's first rows are a prefix of its buffer,
+    a packed one's where `KernelLinear.prefix` says); else all of them."""
     impl = one_row_impl()
     if impl is None:
         return None
@@ -1634,7 +1707,9 @@ def one_row_reading(module: nn.Module, rows: int | None = None) -> nn.Module | N
     if isinstance(module, KernelLinear):
         if module._dtype != _BF16:
             return None
-        if rows is not None and module._packed and rows < module.out_features:
+        if rows is not None and rows < module.out_features:
+            if not module._packed:  # a transposed head (AMX): row-major
+                return read(module.first_outputs(rows))
             first = module.prefix(rows)
             if first is not None:  # already its own copy
                 first.decode_impl = impl
