@@ -502,28 +502,20 @@ class _OneDNN:
     def few_rows_layout(self, K: int, N: int, dtype: int) -> ctypes.c_void_p | None:
         """Where int8 products of up to `FEW_ROWS` rows run on AVX512-VNNI beside AMX (see
         "int8 at a few rows" above): VNNI's layout of a (K, N) weight, whose bytes begin with
-        the `packed_layout` (AMX's) of the same weight, so that one buffer serves both (checked
-        once per shape on random weights); None where the first choice is not AMX, VNNI is not
-        offered or its layout is another."""
+        the `packed_layout` (AMX's) of the same weight, so that one buffer serves both: the
+        same blocking (`blocking`), its extra sums after the data; None where the first choice
+        is not AMX, VNNI is not offered or its layout is another."""
         key = (K, N, dtype)
         if key not in self._few:
             self._few[key] = None
             first = self.packed_layout(K, N, dtype)
-            if dtype == _S8 and self._first[(K, N, dtype)] == AMX:
+            if dtype == _S8 and self._first[key] == AMX:
                 try:
                     few = self.packed_layout(K, N, dtype, VNNI)
                 except RuntimeError:
                     return None
-                size = self.lib.dnnl_memory_desc_get_size(first)
-                w = np.random.default_rng(0).integers(-127, 128, (N, K), dtype=np.int8)
-                both = [
-                    np.zeros(self.lib.dnnl_memory_desc_get_size(md), np.int8) for md in (first, few)
-                ]
-                plain = self.md((K, N), dtype, (1, K))
-                for md, out in zip((first, few), both):
-                    self.reorder(plain, w, md, out)
-                self.lib.dnnl_memory_desc_destroy(plain)
-                if len(both[1]) >= size and np.array_equal(both[0], both[1][:size]):
+                size = self.lib.dnnl_memory_desc_get_size
+                if self.blocking(few) == self.blocking(first) and size(few) >= size(first):
                     self._few[key] = few
         return self._few[key]
 
@@ -576,20 +568,8 @@ class _OneDNN:
         at a sum of one term per dimension, read here from the layout's own description."""
         key = (K, N, dtype)
         if key not in self._offsets:
-            md = self.packed_layout(K, N, dtype)
-            dims = ctypes.POINTER(_Dims)
-
-            def query(what: int, result: Any) -> Any:
-                self.check(
-                    self.lib.dnnl_memory_desc_query(md, what, ctypes.byref(result)),
-                    "query of the packed layout",
-                )
-                return result
-
-            nblks = query(_QUERY_INNER_NBLKS, ctypes.c_int32()).value
-            strides = list(query(_QUERY_STRIDES, dims()).contents)
-            blks = list(query(_QUERY_INNER_BLKS, dims()).contents)[:nblks]
-            idxs = list(query(_QUERY_INNER_IDXS, dims()).contents)[:nblks]
+            strides, blks, idxs = self.blocking(self.packed_layout(K, N, dtype))
+            nblks = len(blks)
             terms = []
             for dim, size in enumerate((K, N)):  # the layout's dims: (K, N)
                 i = np.arange(size, dtype=np.int64)
@@ -604,6 +584,24 @@ class _OneDNN:
                 terms.append(term)
             self._offsets[key] = (terms[1], terms[0])
         return self._offsets[key]
+
+    def blocking(self, md: ctypes.c_void_p) -> tuple[list[int], list[int], list[int]]:
+        """A blocked layout's description (oneDNN's "blocking descriptor"): the strides between
+        whole blocks per dimension, and the nested inner blocks' sizes and dimensions."""
+        dims = ctypes.POINTER(_Dims)
+
+        def query(what: int, result: Any) -> Any:
+            self.check(
+                self.lib.dnnl_memory_desc_query(md, what, ctypes.byref(result)),
+                "query of a weights layout",
+            )
+            return result
+
+        nblks = query(_QUERY_INNER_NBLKS, ctypes.c_int32()).value
+        strides = list(query(_QUERY_STRIDES, dims()).contents)
+        blks = list(query(_QUERY_INNER_BLKS, dims()).contents)[:nblks]
+        idxs = list(query(_QUERY_INNER_IDXS, dims()).contents)[:nblks]
+        return strides, blks, idxs
 
     def unpack(self, packed: np.ndarray, N: int, K: int) -> np.ndarray:
         """`pack`'s inverse: the row-major (N, K) weight."""
