@@ -59,6 +59,33 @@ def test_products_match_mlx(kind, rows):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_products_checked_plan_is_kept_for_its_size_and_never_serves_a_changed_module(
+    kind, monkeypatch
+):
+    """A product of M rows that one checked plan served whole runs it again without looking
+    plans up (`KernelLinear.product`'s `_ready`: the glue between a pass's products is kept
+    short), and a module changed in place (its weight packed, or made int8) gets a plan of its
+    own: a plan kept for the row-major weight would read the new buffer as garbage."""
+    w = mx.random.normal((300, 96), key=mx.random.key(3))
+    lin = kernel.KernelLinear(w, None, kind)
+    x = mx.random.normal((3, 96), key=mx.random.key(4))
+    first = np.array(lin(x))
+    lookups = []
+    plan = kernel._dnnl.plan
+    monkeypatch.setattr(kernel._dnnl, "plan", lambda *a, **k: lookups.append(a) or plan(*a, **k))
+    assert np.array_equal(np.array(lin(x)), first) and not lookups
+    assert np.array_equal(np.array(lin(x[:2])), first[:2]) and lookups  # another size: looked up
+    if kind == "bf16":
+        lin.pack()
+        ref = (x.astype(mx.bfloat16) @ w.astype(mx.bfloat16).T).astype(mx.float32)
+        np.testing.assert_allclose(np.array(lin(x)), np.array(ref), rtol=2e-2, atol=2e-2)
+    if kind == "f32":
+        lin.to_int8()
+        ref = _int8_product(np.array(x), np.array(w))
+        np.testing.assert_allclose(np.array(lin(x)), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_product_runs_at_its_own_rows_only_where_they_are_the_padded_products(kind, monkeypatch):
     """A pass over M < ROWS tokens runs at M rows where that plan gives every row what the
     product padded to ROWS gives (checked once, on its first input), and padded where it does

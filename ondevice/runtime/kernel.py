@@ -1070,15 +1070,14 @@ def silu_gate(gate: mx.array, up: mx.array) -> mx.array:
     g, u = g.reshape(-1, shape[-1]), u.reshape(-1, shape[-1])
     out = np.empty(g.shape, np.float32)
     e = np.empty((min(len(g), SLAB), g.shape[1]), np.float32)
-    for i in range(0, len(g), SLAB):  # a prompt's rows a slab at a time: see `SLAB`
-        rows = slice(i, i + SLAB)
-        ei = e[: len(g[rows])]
-        np.negative(g[rows], out=ei)
-        with np.errstate(over="ignore"):  # exp(-g) = inf: silu(g) = -0.0, as it should
+    with np.errstate(over="ignore"):  # exp(-g) = inf: silu(g) = -0.0, as it should
+        for i in range(0, len(g), SLAB):  # a prompt's rows a slab at a time: see `SLAB`
+            gi, ei, oi = g[i : i + SLAB], e[: len(g) - i], out[i : i + SLAB]
+            np.negative(gi, out=ei)
             np.exp(ei, out=ei)
-        ei += 1
-        np.multiply(g[rows], u[rows], out=out[rows])
-        out[rows] /= ei
+            ei += 1
+            np.multiply(gi, u[i : i + SLAB], out=oi)
+            oi /= ei
     return _like(gate, out.reshape(shape))
 
 
@@ -1236,7 +1235,13 @@ class KernelLinear(nn.Module):
 
         The glue is numpy's, not MLX's: an evaluated input (an earlier product's output, the
         MLP's gating) is read in place without waking MLX's stream thread, and the rounding of
-        the input rows (bf16: to nearest even, int8: `_quantize_rows`) costs no MLX ops."""
+        the input rows (bf16: to nearest even, int8: `_quantize_rows`) costs no MLX ops.
+
+        A pass's product of M rows that one plan served whole, checked, runs that plan again
+        without looking it up (`_ready`): between two products, each of which streams tens of
+        megabytes of weights through the caches, every line of Python and numpy the glue
+        touches comes from memory again, so what runs there is kept short (docs/benchmarks.md,
+        "Issue 26, session 23")."""
         K = self.in_features
         lead = x.shape[:-1]
         src = _np(x).reshape(-1, K)
@@ -1252,6 +1257,34 @@ class KernelLinear(nn.Module):
         bias_ptr = self._bias_ptr if fused_bias else None
         # see "Prompts apart" above
         impl = self.decode_impl if self._dtype == _BF16 and not in_prompt() else None
+        # everything the choice of plan depends on (a shallow copy of this module shares the
+        # dictionary: a copy that differs in any of these has keys of its own)
+        key = (M, N, self._dtype, self._packed, self.transposed, self.threads, impl, fused_bias)
+        ready = self.__dict__.setdefault("_ready", {}).get((key, threading.get_ident()))
+        if ready is not None and ready.invariant:  # (a test may make a plan be checked again)
+            ready.feed(src)
+            ready.run(self._weight_ptr, bias_ptr)
+            full = ready.result(M)
+        else:
+            full = self._chunks(src, N, impl, fused_bias, key)
+        if scale is not None:  # the int32 sums scaled back (in numpy, as the rounding), in
+            full *= self._np_scales  # place: a draft's 65,536-id head allocated 256 KB twice
+            full *= scale
+            if self._np_bias is not None:
+                full += self._np_bias
+        return full.reshape(*lead, N)
+
+    def _chunks(
+        self, src: np.ndarray, N: int, impl: str | None, fused_bias: bool, key: tuple[Any, ...]
+    ) -> np.ndarray:
+        """`product`'s rows `src` (M, K), already rounded, through the plans that suit them: in
+        chunks of PREFILL_ROWS (a decoding pass computed apart from prompts: of ROWS, as its
+        own passes), the last one at the smallest plan that holds it (`CHUNKS`), each plan used
+        only where it gives every row what the ROWS plan gives (`_invariant`); up to ROWS rows
+        transposed where this product is (see "AMX at a few rows" above). A plan that served
+        all M rows at once, the first choice, is kept for the next such product (`_ready`)."""
+        K, M = self.in_features, src.shape[0]
+        bias_ptr = self._bias_ptr if fused_bias else None
         plan_of = functools.partial(
             _dnnl.plan,  # type: ignore[union-attr]
             K,
@@ -1262,10 +1295,6 @@ class KernelLinear(nn.Module):
             packed=self._packed,
             impl=impl,
         )
-        # In chunks of PREFILL_ROWS (a decoding pass computed apart from prompts: of ROWS, as its
-        # own passes), the last one at the smallest plan that holds it (`CHUNKS`), each plan
-        # used only where it gives every row what the ROWS plan gives (`_invariant`); up to
-        # ROWS rows transposed where this product is (see "AMX at a few rows" above).
         transposed = self.transposed and impl is None
         # int8 at up to FEW_ROWS rows: VNNI's kernel where the buffer holds its layout too
         few = self._dtype == _S8 and _dnnl.few_rows_layout(K, N, _S8) is not None  # type: ignore[union-attr]
@@ -1281,25 +1310,22 @@ class KernelLinear(nn.Module):
                 plan = plan_of(next(c for c in CHUNKS if c >= n))
             if plan.invariant is None:
                 plan.invariant = self._invariant(plan, src[i : i + n], bias_ptr, impl)
-            if not plan.invariant:
+            first = plan.invariant
+            if not first:
                 n = min(n, ROWS)
                 plan = plan_of(ROWS)
             plan.feed(src[i : i + n])
             plan.run(self._weight_ptr, bias_ptr)
             if n == M:
-                full = plan.result(M)  # a view: valid until this thread's next such product
-                break
+                if first:  # (a plan found wrong is asked again: a test may mend it)
+                    self.__dict__["_ready"][(key, threading.get_ident())] = plan
+                return plan.result(M)  # a view: valid until this thread's next such product
             if full is None:
                 full = np.empty((M, N), np.float32)
             full[i : i + n] = plan.result(n)
             i += n
         assert full is not None
-        if scale is not None:  # the int32 sums scaled back (in numpy, as the rounding), in
-            full *= self._np_scales  # place: a draft's 65,536-id head allocated 256 KB twice
-            full *= scale
-            if self._np_bias is not None:
-                full += self._np_bias
-        return full.reshape(*lead, N)
+        return full
 
     def _invariant(
         self, plan: _Plan, src: np.ndarray, bias_ptr: int | None, impl: str | None
@@ -1328,10 +1354,17 @@ class KernelLinear(nn.Module):
 
 def _round_bf16(rows: np.ndarray) -> np.ndarray:
     """float32 rows (M, K) rounded to bfloat16 (to nearest, ties to even), as uint16 bit
-    patterns, `SLAB` rows at a time."""
+    patterns: each value plus 0x7FFF and its 17th bit, whose upper half is the rounded value
+    (a view of the 32-bit sums: a product's input buffer copies it), `SLAB` rows at a time."""
     u = np.ascontiguousarray(rows).view(np.uint32)  # no copy where already contiguous
+    if len(u) <= SLAB:  # a decoding pass's rows: four numpy calls, nothing more
+        t = u >> 16
+        t &= 1
+        t += u
+        t += 0x7FFF
+        return t.view(np.uint16)[:, _UPPER::2]
     out = np.empty(u.shape, np.uint16)
-    t = np.empty((min(len(u), SLAB), u.shape[1]), np.uint32)
+    t = np.empty((SLAB, u.shape[1]), np.uint32)
     for i in range(0, len(u), SLAB):
         ui = u[i : i + SLAB]
         ti = t[: len(ui)]
@@ -1339,9 +1372,12 @@ def _round_bf16(rows: np.ndarray) -> np.ndarray:
         ti &= 1
         ti += ui
         ti += 0x7FFF
-        ti >>= 16
-        out[i : i + SLAB] = ti
+        out[i : i + SLAB] = ti.view(np.uint16)[:, _UPPER::2]
     return out
+
+
+# the upper 16 bits of a uint32 viewed as two uint16s (`_round_bf16`)
+_UPPER = 1 if sys.byteorder == "little" else 0
 
 
 def _quantize_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
