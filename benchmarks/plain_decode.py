@@ -1,13 +1,15 @@
 """Verifier decode speed: ondevice vs mlx_lm on the same weights, interleaved, same process.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python benchmarks/plain_decode.py --model smollm2-135m-instruct --runs 5
+    python benchmarks/plain_decode.py --model smollm2-135m-instruct --runs 5
 
 Greedy, batch 1, 128 new tokens (EOS ignored by both), after one warm-up each. The model is saved
-once in the MLX layout both libraries read, so they run identical weights.
+once in the MLX layout both libraries read, so they run identical weights. `import ondevice`
+comes first: it chooses the BLAS both run on (`ondevice doctor` names it); never preload one.
+On Linux x86_64 ondevice's own products are the CPU kernel's (runtime/kernel.py) unless
+`ONDEVICE_KERNEL=mlx`, which compares the two on MLX's products alone.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  (ondevice first: it opens the BLAS)
 
 import argparse
 import statistics
@@ -15,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import ondevice  # noqa: F401
 import mlx.core as mx
 
 

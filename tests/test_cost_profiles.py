@@ -196,6 +196,22 @@ def test_doctor_lists_the_profiles_with_what_they_were_measured_for(home):
     assert listed["model"] == prof.model and listed["measured"] == prof.measured
     text = doctor.render(report)
     assert f"pass costs  {prof.model}" in text and "measured 20" in text
+    assert not listed["unused"] and "old costs" not in text
+    # a profile the kernel measured before its last change of costs (`kernel.REVISION`) is
+    # never looked up again: listed apart, as safe to delete; MLX's own products have none
+    assert kernel.revision(f"onednn-bf16-blocked x2 r{kernel.REVISION} decode-x") == kernel.REVISION
+    assert kernel.revision("mlx") is None
+    old = json.loads(prof.path.read_text())
+    old["kernel"], old["model"] = f"onednn-bf16 x2 r{kernel.REVISION - 1}", "mlx-0ld"
+    stale = prof.path.with_name("mlx-0ld-" + prof.path.name.split("-")[-1])
+    stale.write_text(json.dumps(old))
+    report = doctor.collect()
+    unused = {p["model"]: p["unused"] for p in report["profiles"]}
+    assert unused == {prof.model: False, "mlx-0ld": True}
+    text = doctor.render(report)
+    assert "pass costs  mlx-0ld" not in text and f"pass costs  {prof.model}" in text
+    assert "old costs   1 pass-cost profile(s) measured by an older kernel" in text
+    assert stale.name in text
 
 
 # -- auto without a draft model -----------------------------------------------------------------

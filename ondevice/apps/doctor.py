@@ -372,11 +372,16 @@ def _skip_sets() -> list[dict[str, Any]]:
 
 def _profiles() -> list[dict[str, Any]]:
     """The pass-cost profiles cached on this machine, with what they were measured for."""
+    from ondevice.runtime.kernel import REVISION, revision
     from ondevice.runtime.pass_costs import cached_profiles
 
-    return [
-        {"file": str(p.path), "summary": p.describe(), **p.to_json()} for p in cached_profiles()
-    ]
+    out = []
+    for p in cached_profiles():
+        measured_by = revision(p.kernel)
+        # a profile of an older kernel revision is never looked up again (its key differs)
+        older = measured_by is not None and measured_by != REVISION
+        out.append({"file": str(p.path), "summary": p.describe(), "unused": older, **p.to_json()})
+    return out
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -423,8 +428,18 @@ def render(r: dict[str, Any]) -> str:
             lines.append(f"    {m['name']:<{width}}  {human(m['size_bytes']):>9}  {m['path']}")
     else:
         lines.append("  models      none cached (fetch the default with: ondevice pull)")
-    for prof in r.get("profiles", []):
-        lines.append(f"  pass costs  {prof['summary']} ({prof['device']})")
+    profiles = r.get("profiles", [])
+    for prof in profiles:
+        if not prof.get("unused"):
+            lines.append(f"  pass costs  {prof['summary']} ({prof['device']})")
+    unused = [Path(prof["file"]) for prof in profiles if prof.get("unused")]
+    if unused:
+        lines.append(
+            f"  old costs   {len(unused)} pass-cost profile(s) measured by an older kernel, no "
+            f"longer used (safe to delete from {unused[0].parent}: "
+            + ", ".join(p.name for p in unused)
+            + ")"
+        )
     for s in r.get("skip_sets", []):
         lines.append(f"  self draft  {s['summary']} ({Path(s['file']).name})")
     if cm["last_fallback"]:

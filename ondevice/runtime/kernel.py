@@ -167,6 +167,7 @@ import copy
 import ctypes
 import functools
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -1508,6 +1509,13 @@ def products(model: nn.Module) -> str:
         kind += "-transposed"
     decode = f" decode-{served[0].decode_impl}" if prompts_apart(model) else ""
     return f"onednn-{kind} x{served[0].threads or default_threads()} r{REVISION}{decode}"
+
+
+def revision(products_name: str) -> int | None:
+    """The `REVISION` a `products` name was given (None: MLX's own products, `mlx`, which no
+    revision of this module changes): a profile measured under another one is no longer used."""
+    found = re.search(r" r(\d+)(?: |$)", products_name)
+    return int(found.group(1)) if found else None
 
 
 def batch_invariant(model: nn.Module) -> bool:
