@@ -372,14 +372,17 @@ def _skip_sets() -> list[dict[str, Any]]:
 
 def _profiles() -> list[dict[str, Any]]:
     """The pass-cost profiles cached on this machine, with what they were measured for."""
-    from ondevice.runtime.kernel import REVISION, revision
     from ondevice.runtime.pass_costs import cached_profiles
 
+    profiles = cached_profiles()
+    try:
+        from ondevice.runtime import kernel
+    except ImportError:  # no MLX (doctor says so): which kernel revision is current is unknown
+        kernel = None  # type: ignore[assignment]
     out = []
-    for p in cached_profiles():
-        measured_by = revision(p.kernel)
+    for p in profiles:
         # a profile of an older kernel revision is never looked up again (its key differs)
-        older = measured_by is not None and measured_by != REVISION
+        older = kernel is not None and kernel.revision(p.kernel) not in (None, kernel.REVISION)
         out.append({"file": str(p.path), "summary": p.describe(), "unused": older, **p.to_json()})
     return out
 
