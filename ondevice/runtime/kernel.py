@@ -1355,17 +1355,13 @@ class KernelLinear(nn.Module):
 
 def _round_bf16(rows: np.ndarray) -> np.ndarray:
     """float32 rows (M, K) rounded to bfloat16 (to nearest, ties to even), as uint16 bit
-    patterns: each value plus 0x7FFF and its 17th bit, whose upper half is the rounded value
-    (a view of the 32-bit sums: a product's input buffer copies it), `SLAB` rows at a time."""
+    patterns: each value plus 0x7FFF and its 17th bit, whose upper half is the rounded value,
+    `SLAB` rows at a time. A decoding pass's rows (at most `SLAB`) come back as a view of those
+    32-bit sums, uncopied (a product's input buffer copies them)."""
     u = np.ascontiguousarray(rows).view(np.uint32)  # no copy where already contiguous
-    if len(u) <= SLAB:  # a decoding pass's rows: four numpy calls, nothing more
-        t = u >> 16
-        t &= 1
-        t += u
-        t += 0x7FFF
-        return t.view(np.uint16)[:, _UPPER::2]
-    out = np.empty(u.shape, np.uint16)
-    t = np.empty((SLAB, u.shape[1]), np.uint32)
+    t = np.empty((min(len(u), SLAB), u.shape[1]), np.uint32)
+    few = len(u) <= SLAB
+    out = t.view(np.uint16)[:, _UPPER::2] if few else np.empty(u.shape, np.uint16)
     for i in range(0, len(u), SLAB):
         ui = u[i : i + SLAB]
         ti = t[: len(ui)]
@@ -1373,7 +1369,8 @@ def _round_bf16(rows: np.ndarray) -> np.ndarray:
         ti &= 1
         ti += ui
         ti += 0x7FFF
-        out[i : i + SLAB] = ti.view(np.uint16)[:, _UPPER::2]
+        if not few:
+            out[i : i + SLAB] = ti.view(np.uint16)[:, _UPPER::2]
     return out
 
 
