@@ -85,6 +85,38 @@ def test_a_products_checked_plan_is_kept_for_its_size_and_never_serves_a_changed
         np.testing.assert_allclose(np.array(lin(x)), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_a_small_weights_products_run_on_one_thread_unless_threads_are_asked(kind, monkeypatch):
+    """A product whose weight is below ONE_THREAD_BYTES reads it in about the time waking the
+    other OpenMP thread takes, so its plans run on one thread; a larger one's on every usable
+    core; ONDEVICE_KERNEL_THREADS (or a module's own `threads`) sets both. The rows are the
+    same either way (int8 sums exactly; bf16 sums each output on one thread in one order)."""
+    monkeypatch.delenv(kernel.THREADS_ENV, raising=False)
+    per_row = 2 if kind == "bf16" else 1  # bytes of a weight
+    N_small, N_large = 64, kernel.ONE_THREAD_BYTES // (256 * per_row) + 16
+    small = kernel.KernelLinear(mx.random.normal((N_small, 256), key=mx.random.key(5)), None, kind)
+    large = kernel.KernelLinear(mx.random.normal((N_large, 256), key=mx.random.key(6)), None, kind)
+    assert small._np_weight.nbytes < kernel.ONE_THREAD_BYTES <= large._np_weight.nbytes
+    x = mx.random.normal((2, 256), key=mx.random.key(7))
+
+    def plan_threads(lin):
+        lin.__dict__.pop("_ready", None)
+        out = np.array(lin(x))
+        (plan,) = lin.__dict__["_ready"].values()
+        return plan.threads, out
+
+    cores = kernel.default_threads()
+    (one, small_rows), (many, large_rows) = plan_threads(small), plan_threads(large)
+    assert (one, many) == (1, cores)
+    monkeypatch.setenv(kernel.THREADS_ENV, "2")
+    assert plan_threads(small)[0] == plan_threads(large)[0] == 2
+    assert np.array_equal(plan_threads(small)[1], small_rows)
+    assert np.array_equal(plan_threads(large)[1], large_rows)
+    monkeypatch.delenv(kernel.THREADS_ENV)
+    small.threads = 3
+    assert plan_threads(small)[0] == 3
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_product_runs_at_its_own_rows_only_where_they_are_the_padded_products(kind, monkeypatch):
     """A pass over M < ROWS tokens runs at M rows where that plan gives every row what the
@@ -98,7 +130,7 @@ def test_a_product_runs_at_its_own_rows_only_where_they_are_the_padded_products(
     want = np.array(lin(mx.concatenate([x, mx.zeros((kernel.ROWS - 3, 96))]))[:3])
     few = kind == "int8" and kernel._dnnl.few_rows_layout(96, 300, kernel._S8) is not None
     impl = kernel.VNNI if few else None  # see "int8 at a few rows"
-    plan = kernel._dnnl.plan(96, 300, lin._dtype, False, 3, 0, lin._packed, impl)
+    plan = kernel._dnnl.plan(96, 300, lin._dtype, False, 3, lin._threads(), lin._packed, impl)
     plan.invariant = None
     assert np.array_equal(np.array(lin(x)), want)
     assert plan.invariant is True  # oneDNN's kernels: the same sums at every M (here)
@@ -143,7 +175,7 @@ def test_a_long_passs_last_chunk_runs_in_the_smallest_plan_that_gives_the_same_r
             self.dst.view(np.uint32)[0, 0] ^= 1
 
     monkeypatch.setattr(kernel._Plan, "run", off_by_a_bit)
-    plan = kernel._dnnl.plan(96, 300, lin._dtype, False, 64, 0, lin._packed)
+    plan = kernel._dnnl.plan(96, 300, lin._dtype, False, 64, lin._threads(), lin._packed)
     plan.invariant = None
     assert np.array_equal(np.array(lin(mx.array(x[:40]))), alone[:40])
     assert plan.invariant is False

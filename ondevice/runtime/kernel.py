@@ -46,9 +46,14 @@ pass costs are measured too; loading reorders weights on the loading thread with
 thread (`reorder`), which starts no pool. Each product runs on as many threads as the process
 may use (its CPU affinity) unless `ONDEVICE_KERNEL_THREADS` says otherwise: a one-token product
 is bound by memory, and one core alone does not draw the machine's bandwidth (docs/benchmarks.md,
-"Issue 26, session 3", measured idle). On a machine shared with other busy jobs, each of a
-pass's ~100 products is a fork/join that waits for a preempted thread, and one thread per
-product (`ONDEVICE_KERNEL_THREADS=1`) measured better there. Machines without the wheel (Linux
+"Issue 26, session 3", measured idle). A product whose weight is smaller than
+`ONE_THREAD_BYTES` runs on one thread all the same: it reads its weight in tens of
+microseconds, about what waking and joining the other thread costs (the 0.5B draft's q/k/v and
+o products, 1.0 and 0.8 MB in int8: its step 35.8 ms against 37.1; the 1.5B verifier's 4.7 MB
+o product lost on one thread: docs/benchmarks.md, "Issue 26, session 24"). On a machine shared
+with other busy jobs, each of a pass's ~100 products is a fork/join that waits for a preempted
+thread, and one thread per product (`ONDEVICE_KERNEL_THREADS=1`) measured better there;
+`ONDEVICE_KERNEL_THREADS` sets every product's threads, small ones too. Machines without the wheel (Linux
 arm64) or with `ONDEVICE_KERNEL=mlx` keep MLX's products; the Mac never uses this module (MLX
 on Metal).
 
@@ -198,8 +203,9 @@ KEY_BLOCK = 128  # attention reads the keys in blocks of this many (see `attenti
 # whole (400, 8960) arrays streamed through memory once a pass (gating 9.6 -> 5.1 ms, rounding
 # 8.2 -> 2.2 ms: docs/benchmarks.md, "Issue 26, session 18")
 SLAB = 8
-REVISION = 5  # in profiles' names: raised when a change of this module changes pass costs
+REVISION = 6  # in profiles' names: raised when a change of this module changes pass costs
 THREADS_ENV = "ONDEVICE_KERNEL_THREADS"  # OpenMP threads per product (default: all usable)
+ONE_THREAD_BYTES = 2 << 20  # a smaller weight's products run on one thread (see "Threads")
 DECODE_ENV = "ONDEVICE_KERNEL_DECODE"  # bf16 decoding passes: `prompt` (as prompts) or `avx512`
 DECODE_CHOICES = ("prompt", "avx512")
 AVX512_BF16 = "brg:avx512_core_bf16"  # oneDNN's name for its AVX512-BF16 matmul
@@ -1098,7 +1104,7 @@ class KernelLinear(nn.Module):
     (N, K) matrix it computes with.
     """
 
-    threads = 0  # OpenMP threads per product (0: `default_threads()`)
+    threads = 0  # OpenMP threads per product (0: by its size, `_threads`)
     decode_impl: str | None = None  # a bf16 product's in decoding passes (`decode_impl()`)
     transposed = False  # passes of up to ROWS rows as `W @ x.T` (see "AMX at a few rows")
 
@@ -1292,7 +1298,7 @@ class KernelLinear(nn.Module):
             N,
             self._dtype,
             fused_bias,
-            threads=self.threads,
+            threads=self._threads(),
             packed=self._packed,
             impl=impl,
         )
@@ -1327,6 +1333,19 @@ class KernelLinear(nn.Module):
             i += n
         assert full is not None
         return full
+
+    def _threads(self) -> int:
+        """OpenMP threads for this product's plans: `threads` where set, else one for a weight
+        smaller than `ONE_THREAD_BYTES` unless ONDEVICE_KERNEL_THREADS says otherwise, else
+        `default_threads()` (see "Threads" above)."""
+        if self.threads:
+            return self.threads
+        if (
+            self._np_weight.nbytes < ONE_THREAD_BYTES
+            and not os.environ.get(THREADS_ENV, "").strip()
+        ):
+            return 1
+        return default_threads()
 
     def _invariant(
         self, plan: _Plan, src: np.ndarray, bias_ptr: int | None, impl: str | None
