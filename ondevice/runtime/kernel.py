@@ -1257,7 +1257,7 @@ class KernelLinear(nn.Module):
         if self._dtype == _BF16:
             src = _round_bf16(src)
         elif self._dtype == _S8:
-            src, scale = _quantize_rows(src)
+            src, scale = _int8_levels(src)  # the plan's buffer takes them as int8
         M = src.shape[0]
         # int8: the bias is added after scaling (oneDNN would add it to the integer sums)
         fused_bias = self._np_bias is not None and scale is None
@@ -1399,10 +1399,21 @@ _UPPER = 1 if sys.byteorder == "little" else 0
 
 def _quantize_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row of a (M, K) float32 matrix as int8 with its own scale (shape (M, 1)), its largest
-    magnitude mapping to 127: a weight's rows at load, a pass's input rows at run time (row by
-    row, so a row's values do not depend on the other rows of the pass)."""
-    scale = np.maximum(np.abs(rows).max(axis=1, keepdims=True), np.float32(1e-30)) / np.float32(127)
-    return np.rint(rows / scale).astype(np.int8), scale
+    magnitude mapping to 127: a weight's rows at load (`_int8_levels` as int8)."""
+    levels, scale = _int8_levels(rows)
+    return levels.astype(np.int8), scale
+
+
+def _int8_levels(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_quantize_rows`'s int8 values still as float32 (whole numbers in [-127, 127], which a
+    plan's int8 input buffer takes exactly) and the scales: a pass's input rows at run time,
+    row by row (a row's values do not depend on the other rows of the pass), in place where
+    numpy allows (six calls a product, a draft's step makes about a hundred)."""
+    scale = np.abs(rows).max(axis=1, keepdims=True)
+    np.maximum(scale, np.float32(1e-30), out=scale)
+    scale /= np.float32(127)
+    levels = rows / scale
+    return np.rint(levels, out=levels), scale
 
 
 class KernelPart(nn.Module):
@@ -1419,9 +1430,10 @@ class KernelPart(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         j = self._joint
-        if getattr(j, "_last_x", None) is not x:  # a copy: the plan's buffer is reused
-            j._last_x, j._last_y = x, np.array(j.product(x, j.out_features))
-        return _like(x, j._last_y[..., self._lo : self._hi])  # evaluated: no MLX op
+        last = j.__dict__  # not the module's tree (nn.Module's __setattr__ costs a call here)
+        if last.get("_last_x") is not x:  # a copy: the plan's buffer is reused
+            last["_last_x"], last["_last_y"] = x, np.array(j.product(x, j.out_features))
+        return _like(x, last["_last_y"][..., self._lo : self._hi])  # evaluated: no MLX op
 
 
 class KernelEmbedding(KernelLinear):
