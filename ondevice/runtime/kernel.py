@@ -49,13 +49,13 @@ is bound by memory, and one core alone does not draw the machine's bandwidth (do
 "Issue 26, session 3", measured idle). A product whose weight is smaller than
 `ONE_THREAD_BYTES` runs on one thread all the same: it reads its weight in tens of
 microseconds, about what waking and joining the other thread costs (the 0.5B draft's q/k/v and
-o products, 1.0 and 0.8 MB in int8: its step 35.8 ms against 37.1; the 1.5B verifier's 4.7 MB
+o products, 1.0 and 0.8 MB in int8: its step 35.7 ms against 37.2; the 1.5B verifier's 4.7 MB
 o product lost on one thread: docs/benchmarks.md, "Issue 26, session 24"). On a machine shared
 with other busy jobs, each of a pass's ~100 products is a fork/join that waits for a preempted
 thread, and one thread per product (`ONDEVICE_KERNEL_THREADS=1`) measured better there;
-`ONDEVICE_KERNEL_THREADS` sets every product's threads, small ones too. Machines without the wheel (Linux
-arm64) or with `ONDEVICE_KERNEL=mlx` keep MLX's products; the Mac never uses this module (MLX
-on Metal).
+`ONDEVICE_KERNEL_THREADS` sets every product's threads, small ones too. Machines without the
+wheel (Linux arm64) or with `ONDEVICE_KERNEL=mlx` keep MLX's products; the Mac never uses this
+module (MLX on Metal).
 
 Batch invariance: a row's result must not depend on how many tokens share the pass (plain and
 speculative decoding must give bitwise-identical greedy tokens), but a library may pick
