@@ -12,12 +12,12 @@ order alternates, and a pause before each turn lets the other one's thread pool 
 spinning. A turn is `--block` one-token passes back to back, as decoding makes them, the
 first of them dropped (it pays for the pause: caches and threads gone cold); `--block 1`
 times single passes after a pause each, which made the kernel's pass 9% dearer than back to
-back (192 against 176 ms) and MKL's no dearer (docs/benchmarks.md, "Issue 26, session 24"). Both caches hold the same context
-(`--context` tokens of a fixed text); each pass decodes one token and is rolled back, so every
-pass sees the same context length. Prints each round's median pass and the ratio MKL / kernel
-(above 1: the kernel is faster), of the medians and the median of the turns' paired ratios;
-the memory of both models at once (the kernel's bf16 verifier and MKL's float32 one) is about
-three times the kernel's alone.
+back (192 against 176 ms) and MKL's no dearer (docs/benchmarks.md, "Issue 26, session 24").
+Both caches hold the same context (`--context` tokens of a fixed text); each pass decodes one
+token and is rolled back, so every pass sees the same context length. Prints each round's
+median pass and the ratio MKL / kernel (above 1: the kernel is faster), of the medians and the
+median of the turns' paired ratios; the memory of both models at once (the kernel's bf16
+verifier and MKL's float32 one) is about three times the kernel's alone.
 """
 
 from __future__ import annotations

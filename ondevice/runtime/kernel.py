@@ -677,13 +677,16 @@ def _open() -> _OneDNN | None:
 def default_threads() -> int:
     """OpenMP threads per product: `ONDEVICE_KERNEL_THREADS`, else the cores this process may
     use (see "Threads" above)."""
+    return _asked_threads() or _usable_cores()
+
+
+def _asked_threads() -> int | None:
+    """The threads `ONDEVICE_KERNEL_THREADS` asks for every product (checked); None if unset."""
     raw = os.environ.get(THREADS_ENV, "").strip()
     try:
-        if raw:
-            return max(1, int(raw))
+        return max(1, int(raw)) if raw else None
     except ValueError:
         raise ValueError(f"{THREADS_ENV}={raw!r}: give a number of threads, e.g. 1 or 2.") from None
-    return _usable_cores()
 
 
 @functools.cache
@@ -1335,17 +1338,13 @@ class KernelLinear(nn.Module):
         return full
 
     def _threads(self) -> int:
-        """OpenMP threads for this product's plans: `threads` where set, else one for a weight
-        smaller than `ONE_THREAD_BYTES` unless ONDEVICE_KERNEL_THREADS says otherwise, else
-        `default_threads()` (see "Threads" above)."""
-        if self.threads:
-            return self.threads
-        if (
-            self._np_weight.nbytes < ONE_THREAD_BYTES
-            and not os.environ.get(THREADS_ENV, "").strip()
-        ):
-            return 1
-        return default_threads()
+        """OpenMP threads for this product's plans: `threads` where set, else what
+        ONDEVICE_KERNEL_THREADS asks, else one for a weight smaller than `ONE_THREAD_BYTES` and
+        every usable core for a larger one (see "Threads" above)."""
+        asked = self.threads or _asked_threads()
+        if asked:
+            return asked
+        return 1 if self._np_weight.nbytes < ONE_THREAD_BYTES else _usable_cores()
 
     def _invariant(
         self, plan: _Plan, src: np.ndarray, bias_ptr: int | None, impl: str | None
