@@ -716,7 +716,8 @@ def load(
     heads: str | Path | None = None,
 ) -> Generator:
     """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
-    draft. A pair bundle brings its own draft (Core ML and MLX); `draft` may also be a bundle,
+    draft, or a catalog pair by its name (`qwen2.5-coder-1.5b`: its bundle, pulled and converted
+    on first use as `ondevice demo` makes it). A pair bundle brings its own draft (Core ML and MLX); `draft` may also be a bundle,
     whose draft then serves this verifier (a fine-tuned one, say) and whose recorded
     acceptance tells when the two agree less (`Generator.acceptance_drift`).
 
@@ -739,7 +740,12 @@ def load(
     ondevice); checked against the verifier now.
     """
     _check_load_arguments(verifier, draft, draft_backend, dtype, quantize, dequantize)
-    from ondevice.sources.hub import resolve
+    from ondevice.sources.hub import catalog_pair, resolve
+
+    if draft is None and not Path(verifier).expanduser().exists() and catalog_pair(str(verifier)):
+        from ondevice.convert.pair import ensure_bundle
+
+        verifier = ensure_bundle(str(verifier))  # a catalog pair: its bundle, made once
 
     if dequantize is None:
         dequantize = quantize is None and mx.default_device() == mx.cpu

@@ -46,7 +46,9 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     pip suggest): " Did you mean 'x'?", or "" when none is close."""
     import difflib
 
-    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    # the name itself is no hint: it is known and still did not serve (a pair's name where
+    # one model is wanted)
+    close = difflib.get_close_matches(name, [k for k in known if k != name], n=3, cutoff=0.6)
     if not close:
         return ""
     return " Did you mean " + " or ".join(repr(c) for c in close) + "?"

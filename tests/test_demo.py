@@ -72,6 +72,15 @@ def test_demo_pulls_converts_streams_and_compares(demo_env: dict, capsys) -> Non
     assert "no --model: using the default pair" in err and "converting" not in err
     assert _bundles(home) == [bundle]
 
+    # The pair's name loads the same bundle through the API (here the pair shares its name
+    # with its verifier, which alone would load without a draft).
+    import ondevice
+
+    gen = ondevice.load(NAME, draft_backend="mlx")
+    _, err = capsys.readouterr()
+    assert gen.draft is not None and "converting" not in err
+    assert _bundles(home) == [bundle]
+
     # A changed draft (a new package version) gets a new bundle; the stale one goes.
     config = demo_env["draft"] / "config.json"
     config.write_text(config.read_text() + "\n")

@@ -152,6 +152,18 @@ def test_hub_id_offline_says_what_to_do(tmp_path, monkeypatch):
         load_model("someone/some-model")
 
 
+def test_a_pairs_name_where_one_model_is_wanted_says_so(tmp_path, monkeypatch):
+    """The shipped catalog's default pair named where a model is wanted: which models it pairs,
+    and that `ondevice.load` takes the name, not a "did you mean" naming the name itself."""
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "od"))
+    monkeypatch.delenv("ONDEVICE_CATALOG", raising=False)
+    with pytest.raises(ModelNotFoundError) as e:
+        load_model("qwen2.5-coder-1.5b")
+    msg = str(e.value)
+    assert "names a pair (qwen2.5-coder-1.5b-instruct drafted by qwen2.5-coder-0.5b" in msg
+    assert "ondevice.load('qwen2.5-coder-1.5b')" in msg and "Did you mean" not in msg
+
+
 def test_missing_path(tmp_path):
     with pytest.raises(ModelNotFoundError, match="no such file"):
         load_model(str(tmp_path / "nothing-here"))

@@ -113,7 +113,7 @@ def use_default_pair(args: argparse.Namespace) -> None:
         return
     if getattr(args, "draft", None):
         raise OndeviceError("--draft needs --model: name the verifier it drafts for.")
-    from ondevice.apps.demo import ensure_bundle
+    from ondevice.convert.pair import ensure_bundle
     from ondevice.sources.catalog import load_catalog
 
     pair = load_catalog().pair()

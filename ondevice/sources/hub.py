@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ondevice.errors import ModelFormatError, ModelNotFoundError, OndeviceError, did_you_mean
 
 if TYPE_CHECKING:
-    from ondevice.sources.catalog import ModelEntry
+    from ondevice.sources.catalog import ModelEntry, Pair
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
 
@@ -42,6 +42,13 @@ def resolve(name: str | os.PathLike) -> Path:
     if _catalog_entry(s) is not None:
         raise ModelNotFoundError(
             f"{s!r} is not downloaded yet (looked in {cached}). Fetch it with: ondevice pull {s}"
+        )
+    if (pair := catalog_pair(s)) is not None:
+        draft = pair.draft_model or "the shipped draft"
+        raise ModelNotFoundError(
+            f"{s!r} names a pair ({pair.verifier} drafted by {draft}), not one model: "
+            f"ondevice.load({s!r}) loads the pair (pulled and converted once, as `ondevice "
+            f"demo --pair {s}` does); here, name one of its models."
         )
     if not looks_like_hub_id(s):
         raise ModelNotFoundError(
@@ -79,6 +86,16 @@ def _catalog_entry(name: str) -> ModelEntry | None:
 
     try:
         return load_catalog().model(name)
+    except OndeviceError:
+        return None  # a broken catalog must not hide the ordinary "not found" message
+
+
+def catalog_pair(name: str) -> Pair | None:
+    """The catalog's pair of that name (a draft and its verifier, loaded as one bundle), if any."""
+    from ondevice.sources.catalog import load_catalog
+
+    try:
+        return load_catalog().pairs.get(name)
     except OndeviceError:
         return None  # a broken catalog must not hide the ordinary "not found" message
 
