@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 import tiny
-from support.engines import TableEngine
+from support.engines import TableEngine, TreeTableEngine
 
 from ondevice.decoders.factory import make_decoder
 from ondevice.models import load_model
@@ -334,16 +335,20 @@ def test_auto_with_a_draft_drafts_with_it_and_leaves_the_verifiers_own_layers_ou
 
 class _Clocked(TableEngine):
     """A table model whose passes advance a fake clock by what they "cost": `per_pass` +
-    `per_token` * n, times 3 during a slow spell (the first `slow` passes of all engines)."""
+    `per_token` * n + `per_key` for each key each new token attends to, times 3 during a slow
+    spell (the first `slow` passes of all engines)."""
 
-    def __init__(self, clock, log, per_pass, per_token, vocab):
+    def __init__(self, clock, log, per_pass, per_token, vocab, per_key=0.0):
         super().__init__(vocab=vocab)
         self.clock, self.log, self.per_pass, self.per_token = clock, log, per_pass, per_token
+        self.per_key = per_key
 
     def feed(self, tokens, last_only=False):
         self.log.append(self.vocab_size)
         spell = 3.0 if len(self.log) <= self.clock["slow"] else 1.0
-        self.clock["now"] += (self.per_pass + self.per_token * len(tokens)) * spell
+        keys = sum(len(self.tokens) + i + 1 for i in range(len(tokens)))
+        cost = self.per_pass + self.per_token * len(tokens) + self.per_key * keys
+        self.clock["now"] += cost * spell
         return super().feed(tokens, last_only)
 
 
@@ -376,3 +381,77 @@ def test_missing_profiles_are_measured_together_so_a_slow_spell_moves_both_alike
     log.clear()
     again = pass_costs.load_profiles([verifier, draft])
     assert [p.seconds for p in again] == [v.seconds, d.seconds] and not log
+
+
+def test_what_more_tokens_cost_grows_past_the_measured_context_as_the_long_one_measured():
+    """A pass's excess over a one-token pass at the committed context `at`: as measured up to
+    `context`, then grown by the share of the way to `long_context` (and on beyond it) of what
+    that excess grew by between the two; the one-token pass as measured, noise never making a
+    size cheaper, and trees sized by the costs smaller on a long prompt."""
+    prof = CostProfile(
+        [1, 2, 4, 8, 16], [1.0, 1.05, 1.1, 1.2, 1.4], context=256,
+        long_context=1024, long_sizes=[1, 4, 8, 16], long_seconds=[1.02, 1.07, 1.6, 2.2],
+    )  # fmt: skip
+    grown = (1.6 - 1.02) - (1.2 - 1.0)  # at 8 tokens; at 4, noise: (1.07 - 1.02) < 0.1
+    for at, share in [(0, 0.0), (200, 0.0), (256, 0.0), (640, 0.5), (1024, 1.0), (1792, 2.0)]:
+        prof.at = at
+        assert prof(1) == pytest.approx(1.0)
+        assert prof(4) == pytest.approx(1.1)
+        assert prof(8) == pytest.approx(1.2 + share * grown)
+        costs = prof(np.arange(1, 65))
+        assert np.all(np.diff(costs) >= 0)
+    values = [0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3]
+    prof.at = 0
+    short = pass_costs.best_size(values, prof)
+    prof.at = 2048
+    assert pass_costs.best_size(values, prof) < short
+    # the file keeps what was measured, not the context it was last asked at
+    doc = prof.to_json()
+    assert "at" not in doc and doc["long_seconds"] == [1.02, 1.07, 1.6, 2.2]
+    back = CostProfile.from_json(doc)
+    assert back.at == 0 and back.long_context == 1024 and back(8) == pytest.approx(1.2)
+    assert "after 256 tokens" in back.describe() and "after 1024" in back.describe()
+    with pytest.raises(ValueError):  # a file of the last format: measured again
+        CostProfile.from_json({**doc, "format": 2})
+    with pytest.raises(ValueError):
+        CostProfile.from_json({**doc, "long_sizes": [1, 4]})
+
+
+def test_a_measurement_times_the_sizes_at_a_long_context_too(home, monkeypatch):
+    """After the sizes at `context`, each engine's cache is grown to `LONG_CONTEXT` once and
+    `LONG_SIZES` are timed there, engines in turn: attention's keys make what more tokens
+    cost grow with the context, and the profile prices it (here exactly, by a fake clock)."""
+    clock, log = {"now": 0.0, "slow": 0}, []
+    fake = type("Time", (), {"perf_counter": lambda: clock["now"], "time": time.time})
+    monkeypatch.setattr(pass_costs, "time", fake)
+    verifier = _Clocked(clock, log, 1.0, 0.1, vocab=12, per_key=1e-4)
+    draft = _Clocked(clock, log, 0.3, 0.03, vocab=13, per_key=2e-5)
+    v, d = pass_costs.load_profiles([verifier, draft])
+    for prof, per_key in ((v, 1e-4), (d, 2e-5)):
+        assert (prof.context, prof.long_context) == (256, pass_costs.LONG_CONTEXT)
+        assert prof.long_sizes == list(pass_costs.LONG_SIZES)
+        extra = prof(8) - prof(1)
+        prof.at = pass_costs.LONG_CONTEXT
+        assert prof(8) - prof(1) == pytest.approx(extra + per_key * 7 * (1024 - 256))
+    # the long sizes' rounds take turns between the engines too, after both caches grew
+    tail = log[-2 * (pass_costs.LONG_REPEATS + 1) * len(pass_costs.LONG_SIZES) :]
+    assert tail[:: len(pass_costs.LONG_SIZES)][:4] == [12, 13, 12, 13]
+    # a model whose context cannot hold the long one: measured at its own context only
+    short = TableEngine(vocab=12, context_length=300)
+    alone = pass_costs.measure(short)
+    assert alone.long_context == 0 and alone.long_seconds == []
+
+
+def test_tree_rounds_are_priced_at_the_committed_sequences_length(home):
+    """The tree decoder sets the verifier's and the draft's profiles to the committed
+    sequence's length before each round's proposal, so the costs a tree is sized by are the
+    costs of passes after that many tokens."""
+    verifier = TreeTableEngine.cycle(context_length=400)
+    draft = TreeTableEngine.cycle(sharp=12.0, context_length=400)
+    dec = make_decoder(verifier, draft, SamplingParams(), Speculation(method="tree"), seed=0)
+    assert len(dec.costs) == 2
+    prompt, seen = [5, 6, 7], []
+    for rnd in dec.run(prompt, 24):
+        seen.append(len(rnd.tokens))
+        assert all(c.at == len(prompt) + sum(seen[:-1]) for c in dec.costs)
+    assert len(seen) > 1 and sum(seen) == 24

@@ -76,6 +76,7 @@ def make_decoder(
     return TreeDecoder(
         res.verifier, proposer, params, rule=rule, draft_state=res.draft, chooser=res.chooser,
         eos_token_ids=eos_token_ids, cost_watch=res.verify_watch,
+        costs=[c for c in (res.verify_cost, res.draft_cost) if c is not None],
     )  # fmt: skip
 
 

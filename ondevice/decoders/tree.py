@@ -24,7 +24,7 @@ from ondevice.rules.engine import Engine
 from ondevice.rules.sampling import SamplingParams, TokenLogprob, token_logprobs
 from ondevice.rules.token_tree import TokenTree
 from ondevice.runtime.engines import tree_engine
-from ondevice.runtime.pass_costs import CostWatch
+from ondevice.runtime.pass_costs import CostProfile, CostWatch
 
 # rule(tree, p, at) -> (accepted nodes, next token); `accept.multi_draft` unless a test swaps it
 Rule = TreeRule
@@ -45,13 +45,16 @@ class TreeDecoder(DecoderBase):
         draft_state: DraftState | None = None,
         chooser: TokenChooser | None = None,
         cost_watch: CostWatch | None = None,
+        costs: Sequence[CostProfile] = (),
     ) -> None:
         """verifier: a tree-capable engine (`runtime.engines.tree_engine` wraps MLX ones).
         proposer: where each round's tree comes from. params: the sampling parameters.
         seed: the position-keyed noise's seed. rule: the tree acceptance rule (tests swap it).
         draft_state: the proposers' draft, if they have one (its cache follows the prompt
         cache). chooser: the generation's token chooser, shared with the proposer (default:
-        a new one from params and seed). cost_watch: see `DecoderBase`."""
+        a new one from params and seed). cost_watch: see `DecoderBase`. costs: the pass-cost
+        profiles the proposer prices its rounds by, priced each round at the committed
+        sequence's length (`CostProfile.at`: what more tokens cost grows with the context)."""
         verifier = tree_engine(verifier)
         if not hasattr(verifier, "feed_masked"):
             raise OndeviceError(
@@ -71,6 +74,7 @@ class TreeDecoder(DecoderBase):
         # the sampling rule; replaceable so tests can show that a wrong rule is caught
         self.rule = rule or accept.multi_draft
         self._per_method = self.stats.extra.setdefault("rounds_by_method", {})
+        self.costs = list(costs)
 
     def extra_stats(self) -> dict:
         """Which proposer made how many rounds (auto's choices; one entry for other methods), and
@@ -111,6 +115,8 @@ class TreeDecoder(DecoderBase):
     def step(self, seq: list[int], room: int) -> Step:
         t = time.perf_counter()
         proposed = not self.no_room(room)
+        for cost in self.costs:
+            cost.at = len(seq)
         if proposed:
             tree = self.proposer.propose(seq, room - 1, self.chooser.noise)
         else:

@@ -5,8 +5,9 @@ trade-off depends on the device (on a GPU a pass of 32 tokens costs about as muc
 CPU with quantized weights it can cost many times more). So the cost is measured once per device
 and model, cached as JSON under `cache_dir()/profiles`, and proposers size their trees with it.
 
-Sizes chosen from a cached profile depend only on that file and on accepted counts, never on the
-clock during generation, so a seed still gives the same tokens on a given machine.
+Sizes chosen from a cached profile depend only on that file, on accepted counts and on the
+context (a tree decoder prices each round at the committed sequence's length, `CostProfile.at`),
+never on the clock during generation, so a seed still gives the same tokens on a given machine.
 
 Identity. A profile is named and checked by what determines the cost: the device (processor,
 MLX's device, the BLAS that serves MLX's CPU products and its threads, `device_name`) and the
@@ -48,7 +49,7 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +59,15 @@ from ondevice.rules.engine import Engine
 # Small sizes finely (on a CPU the choice between 1, 2 and 3 drafts hinges on them), large ones
 # coarsely (only a GPU, where a pass costs about the same up to dozens of tokens, reaches them).
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
-FORMAT = 2  # 2: the engine's key names the kernel serving its products; measured, strikes
+# A second, longer context the costs are measured at, for fewer sizes: attention's work per token
+# grows with the keys before it, so on a CPU a pass over 8 tokens after 480 cost 1.20x one token
+# where after 256 it cost 1.12x (docs/benchmarks.md, "Issue 26, session 24"), and trees sized by
+# the short context's costs bought branches a long prompt's passes charged more for
+LONG_CONTEXT = 1024
+LONG_SIZES = (1, 4, 8, 16)
+LONG_REPEATS = 4
+# 2: the engine's key names the kernel serving its products; 3: costs at a long context too
+FORMAT = 3  # measured, strikes
 # live passes this much slower or faster than the profile: a strike (not less: other work on a
 # shared machine moves passes by some tens of percent, and a profile re-measured on each such
 # swing would cost a measurement in the middle of someone's requests)
@@ -83,7 +92,14 @@ class CostProfile:
     stale: bool = False  # live passes disagree: costs scaled by live_ratio, measured at next load
     live_ratio: float = 0.0  # the last judged generation's live / profiled pass time
     kernel: str = ""  # what served the products, for people (`kernel.products`; in `model`'s key)
+    # the same passes after `long_context` tokens, at `long_sizes` (0: not measured; see `at`)
+    long_context: int = 0
+    long_sizes: list[int] = field(default_factory=list)
+    long_seconds: list[float] = field(default_factory=list)
     path: Path | None = field(default=None, compare=False, repr=False)  # the file it came from
+    # the context the costs are asked for now (a tree decoder sets it each round: the committed
+    # sequence's length); 0 or up to `context`: the costs as measured at `context`
+    at: int = field(default=0, compare=False, repr=False)
 
     @property
     def scale(self) -> float:
@@ -95,27 +111,44 @@ class CostProfile:
         return self.measured_cost(n) * self.scale
 
     def measured_cost(self, n: int | np.ndarray) -> np.ndarray | float:
-        """Interpolated measured cost of n tokens; linear extrapolation beyond the largest
-        size."""
-        x = np.asarray(self.sizes, np.float64)
-        y = np.asarray(self.seconds, np.float64)
+        """Interpolated measured cost of n tokens at the context `at`; linear extrapolation
+        beyond the largest size.
+
+        Past `context`, what an n-token pass costs beyond a one-token pass grows by the share
+        of the way to `long_context` (linearly beyond it: attention reads every key before a
+        token) of what that excess grew by between the two measured contexts. Only the excess:
+        both contexts' one-token passes were measured in one process but minutes apart, and the
+        choices the costs make (how many tokens a round verifies, a speculating candidate
+        against plain steps) hinge on what more tokens cost. A context up to `context` is
+        priced as measured."""
         n_arr = np.asarray(n, np.float64)
-        out = np.interp(n_arr, x, y)
-        if len(x) > 1:
-            slope = max((y[-1] - y[-2]) / (x[-1] - x[-2]), 0.0)
-            out = np.where(n_arr > x[-1], y[-1] + slope * (n_arr - x[-1]), out)
+        out = _interp(self.sizes, self.seconds, n_arr)
+        if self.long_context > self.context and self.at > self.context and self.long_sizes:
+            share = (self.at - self.context) / (self.long_context - self.context)
+            out = out + share * _interp(self.long_sizes, self._growth(), n_arr)
         return float(out) if np.ndim(n) == 0 else out
 
+    def _growth(self) -> list[float]:
+        """Per long size, how much more its excess over a one-token pass cost at `long_context`
+        than at `context` (never less than 0, nor less than a smaller size's: timing noise)."""
+        long = np.asarray(self.long_seconds, np.float64)
+        short = _interp(self.sizes, self.seconds, np.asarray(self.long_sizes, np.float64))
+        grew = np.maximum((long - long[0]) - (short - short[0]), 0.0)
+        return np.maximum.accumulate(grew).tolist()
+
     def to_json(self) -> dict:
-        return {"format": FORMAT, **{k: v for k, v in asdict(self).items() if k != "path"}}
+        return {"format": FORMAT, **{k: v for k, v in asdict(self).items() if k not in _LIVE}}
 
     @classmethod
     def from_json(cls, d: dict) -> CostProfile:
         if d.get("format") != FORMAT:
             raise ValueError("unknown profile format")
-        names = {f.name for f in fields(cls)} - {"path"}
+        names = {f.name for f in fields(cls)} - _LIVE
         p = cls(**{k: v for k, v in d.items() if k in names})
-        if len(p.sizes) != len(p.seconds) or not p.sizes or sorted(p.sizes) != p.sizes:
+        for sizes, seconds in ((p.sizes, p.seconds), (p.long_sizes, p.long_seconds)):
+            if len(sizes) != len(seconds) or sorted(sizes) != sizes:
+                raise ValueError("malformed profile")
+        if not p.sizes or (p.long_sizes and p.long_sizes[0] != 1):
             raise ValueError("malformed profile")
         return p
 
@@ -129,6 +162,14 @@ class CostProfile:
         costs = ", ".join(
             f"{n}: {self.measured_cost(n) * 1000:.0f}" for n in (1, 4, 8) if n <= self.sizes[-1]
         )
+        if self.long_context > self.context and self.long_sizes:
+            long = replace(self, at=self.long_context)
+            costs += f"}} after {self.context} tokens, {{" + ", ".join(
+                f"{n}: {long.measured_cost(n) * 1000:.0f}" for n in (1, 4, 8)
+            )
+            costs += f"}} after {self.long_context}"
+        else:
+            costs += "}"
         age = (
             f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(self.measured))}"
             if self.measured
@@ -143,7 +184,21 @@ class CostProfile:
             else ""
         )
         kernel = f" ({self.kernel})" if self.kernel else ""
-        return f"{self.model}{kernel}: ms per pass over n tokens {{{costs}}}, {age}{state}"
+        return f"{self.model}{kernel}: ms per pass over n tokens {{{costs}, {age}{state}"
+
+
+_LIVE = {"path", "at"}  # a profile's fields that belong to its use, not to its file
+
+
+def _interp(sizes: Sequence[int], seconds: Sequence[float], n: np.ndarray) -> np.ndarray:
+    """`seconds` at `sizes` interpolated at n, extrapolated linearly (never down) beyond."""
+    x = np.asarray(sizes, np.float64)
+    y = np.asarray(seconds, np.float64)
+    out = np.interp(n, x, y)
+    if len(x) > 1:
+        slope = max((y[-1] - y[-2]) / (x[-1] - x[-2]), 0.0)
+        out = np.where(n > x[-1], y[-1] + slope * (n - x[-1]), out)
+    return out
 
 
 def device_name() -> str:
@@ -246,7 +301,8 @@ def measure(
 ) -> CostProfile:
     """Time `engine.feed` of n tokens after a `context`-token prefix (median of `repeats`, or of
     at least 3 when the repeats would take longer than `budget_s`: a large model on a small CPU
-    takes seconds per round of sizes).
+    takes seconds per round of sizes), then `LONG_SIZES` after `LONG_CONTEXT` tokens where the
+    engine's context holds twice `context` or more (`CostProfile.at` prices contexts by both).
 
     Sizes are interleaved within each repeat, so a change in load during the measurement (other
     processes on the machine) affects every size alike instead of skewing some of them."""
@@ -271,39 +327,72 @@ def measure_together(
     for engine in engines:
         ctx = max(1, min(context, engine.context_length - max(sizes) - 1))
         rng = np.random.default_rng(0)
-        toks = rng.integers(0, engine.vocab_size, ctx + max(sizes)).tolist()
+        toks = rng.integers(0, engine.vocab_size, max(ctx + max(sizes), _long(engine))).tolist()
         engine.reset()
         engine.feed(toks[:ctx], last_only=True)
         runs.append((engine, ctx, toks, {n: [] for n in sizes}))
-    start = time.perf_counter()
-    for rep in range(repeats + 1):
-        if rep > 3 and time.perf_counter() - start > budget_s * len(engines):
-            break
-        for engine, ctx, toks, times in runs:
-            for n in sizes:
-                block = toks[ctx : ctx + n]
-                t = time.perf_counter()
-                engine.feed(block)
-                if rep:  # the first round only warms up (compilation, allocation)
-                    times[n].append(time.perf_counter() - t)
-                engine.trim(n)
+    _time_rounds(runs, sizes, repeats, budget_s * len(engines))
+    # then at the long context: each engine's cache grown to it once, its sizes timed as above
+    longs: list[tuple[Engine, int, list[int], dict[int, list[float]]]] = []
+    for engine, ctx, toks, _ in runs:
+        end = _long(engine) - max(LONG_SIZES)
+        if end >= 2 * ctx:  # (a context little longer than the first says little beyond noise)
+            engine.feed(toks[ctx:end], last_only=True)
+            longs.append((engine, end, toks, {n: [] for n in LONG_SIZES}))
+    _time_rounds(longs, LONG_SIZES, LONG_REPEATS)
+    long_of = {id(engine): (end, times) for engine, end, _, times in longs}
     profiles = []
     for engine, ctx, _, times in runs:
         engine.reset()
-        # A profile must not decrease with size (timing noise): the tree sizer assumes it.
-        secs = np.maximum.accumulate([float(np.median(times[n])) for n in sizes]).tolist()
+        end, long_times = long_of.get(id(engine), (0, {}))
         profiles.append(
             CostProfile(
                 list(sizes),
-                secs,
+                _medians(times, sizes),
                 device_name(),
                 engine_key(engine),
                 ctx,
                 time.time(),
                 kernel=_kernel_name(engine),
+                long_context=end,
+                long_sizes=list(LONG_SIZES) if end else [],
+                long_seconds=_medians(long_times, LONG_SIZES) if end else [],
             )  # fmt: skip
         )
     return profiles
+
+
+def _long(engine: Engine) -> int:
+    """The tokens a measurement at `LONG_CONTEXT` feeds `engine` (its context allowing)."""
+    return min(LONG_CONTEXT + max(LONG_SIZES), engine.context_length - 1)
+
+
+def _time_rounds(
+    runs: Sequence[tuple[Engine, int, list[int], dict[int, list[float]]]],
+    sizes: Sequence[int],
+    repeats: int,
+    budget_s: float = float("inf"),
+) -> None:
+    """Time `repeats` rounds of every engine's passes over `sizes` after its context (its
+    tokens up to `ctx`), engines in turn, each pass trimmed off again; fewer rounds (at least
+    3) past `budget_s`."""
+    start = time.perf_counter()
+    for rep in range(repeats + 1):
+        if rep > 3 and time.perf_counter() - start > budget_s:
+            break
+        for engine, ctx, toks, times in runs:
+            for n in sizes:
+                t = time.perf_counter()
+                engine.feed(toks[ctx : ctx + n])
+                if rep:  # the first round only warms up (compilation, allocation)
+                    times[n].append(time.perf_counter() - t)
+                engine.trim(n)
+
+
+def _medians(times: dict[int, list[float]], sizes: Sequence[int]) -> list[float]:
+    """Each size's median time; a profile must not decrease with size (timing noise): the tree
+    sizer assumes it."""
+    return np.maximum.accumulate([float(np.median(times[n])) for n in sizes]).tolist()
 
 
 def _kernel_name(engine: Engine) -> str:
