@@ -716,10 +716,11 @@ def load(
     heads: str | Path | None = None,
 ) -> Generator:
     """Load a verifier (folder, GGUF file, pair bundle, cached name or hub id) and an optional
-    draft, or a catalog pair by its name (`qwen2.5-coder-1.5b`: its bundle, pulled and converted
-    on first use as `ondevice demo` makes it). A pair bundle brings its own draft (Core ML and MLX); `draft` may also be a bundle,
-    whose draft then serves this verifier (a fine-tuned one, say) and whose recorded
-    acceptance tells when the two agree less (`Generator.acceptance_drift`).
+    draft, or a catalog pair by its name (`qwen2.5-coder-1.5b`: its bundle, pulled and
+    converted on first use as `ondevice demo` makes it). A pair bundle brings its own draft
+    (Core ML and MLX); `draft` may also be a bundle, whose draft then serves this verifier (a
+    fine-tuned one, say) and whose recorded acceptance tells when the two agree less
+    (`Generator.acceptance_drift`).
 
     draft_backend: where the draft runs: "auto" (Core ML where it runs, placed by measured
     costs; else MLX), "coreml", "reference" (the package through the numpy executor) or "mlx".
