@@ -337,7 +337,10 @@ def measure_together(
     for engine, ctx, toks, _ in runs:
         end = _long(engine) - max(LONG_SIZES)
         if end >= 2 * ctx:  # (a context little longer than the first says little beyond noise)
-            engine.feed(toks[ctx:end], last_only=True)
+            # in passes of the first context's size: a prompt's pass holds memory for its
+            # rows, and a measurement should need no more than the first context did
+            for i in range(ctx, end, ctx):
+                engine.feed(toks[i : min(i + ctx, end)], last_only=True)
             longs.append((engine, end, toks, {n: [] for n in LONG_SIZES}))
     _time_rounds(longs, LONG_SIZES, LONG_REPEATS)
     long_of = {id(engine): (end, times) for engine, end, _, times in longs}
