@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tiny
 from support.engines import TableEngine, TreeTableEngine
+from support.medusa_heads import write_heads
 
 from ondevice.decoders.factory import make_decoder
 from ondevice.models import load_model
@@ -313,12 +314,14 @@ def test_auto_with_a_draft_drafts_with_it_and_leaves_the_verifiers_own_layers_ou
 ):
     """The draft's one candidate, its tree, first (the likeliest to pay gets the first tries),
     then the others; the greedy path and the cascade are readings of the tree's guesses
-    (docs/benchmarks.md, "Issue 26, session 16"). Lookahead and `self`, even with a skip set
-    cached that pays, are left out beside a draft, saying so: a try of `self` costs a catch-up
-    over the whole prompt through most of the verifier's layers (docs/benchmarks.md, "Issue 30,
-    session 19")."""
+    (docs/benchmarks.md, "Issue 26, session 16"). Lookahead, `self` (even with a skip set
+    cached that pays) and Medusa's heads (even where trained) are left out beside a draft,
+    saying so: a try of `self` costs a catch-up over the whole prompt through most of the
+    verifier's layers (docs/benchmarks.md, "Issue 30, session 19"), and the heads' rounds
+    beside the draft only lost ("Issues 26 and 30, session 25")."""
     draft = MLXEngine(load_model(tiny.write_model(tmp_path / "d", seed=4, layers=1)).model)
     _cache_skip_set(verifier, 1.3)
+    write_heads(verifier)  # into this test's cache, where method "medusa" finds them
     dec, names = _auto(verifier, draft)
     assert names == ["plain", "tree", "pld"]
     left_out = dec.proposer.left_out
@@ -326,10 +329,11 @@ def test_auto_with_a_draft_drafts_with_it_and_leaves_the_verifiers_own_layers_ou
     assert (
         left_out["self"]
         == left_out["lookahead"]
+        == left_out["medusa"]
         == ("a draft model is loaded: auto drafts with it instead")
     )
-    _, alone = _auto(verifier)  # without the draft the cached skip set is taken
-    assert "self" in alone
+    _, alone = _auto(verifier)  # without the draft the cached skip set and the heads are taken
+    assert "self" in alone and "medusa" in alone
     assert registry.METHODS["self"].in_auto and not registry.METHODS["tree"].in_auto
 
 

@@ -57,10 +57,13 @@ class Unavailable(OndeviceError):
 
 def not_beside_a_draft(res: Resources, spec: Speculation) -> None:
     """Raise `Unavailable` where `auto` builds a one-model candidate whose guesses a loaded draft
-    model makes better and cheaper (lookahead's Jacobi window, the verifier's own layers): the
-    draft's tree takes its place. A try of one there is a round lost (a held-out stem answer
-    1.37x plain where the tree alone made 1.59x, when `self`'s draft still caught up over the
-    whole prompt: docs/benchmarks.md, "Issue 30, session 19")."""
+    model makes better and cheaper (lookahead's Jacobi window, the verifier's own layers, Medusa's
+    heads): the draft's tree takes its place. A try of one there is a round lost (a held-out stem
+    answer 1.37x plain where the tree alone made 1.59x, when `self`'s draft still caught up over
+    the whole prompt: docs/benchmarks.md, "Issue 30, session 19"). The heads cost little a round,
+    but on every Spec-Bench prompt where they won a re-check beside the draft and kept rounds (8
+    to 24 of an answer's), auto fell 5-15% below the tree alone, and nowhere did their rounds
+    gain (docs/benchmarks.md, "Issues 26 and 30, session 25")."""
     if spec.method == "auto" and res.draft is not None:
         raise Unavailable("a draft model is loaded: auto drafts with it instead")
 

@@ -49,6 +49,7 @@ from ondevice.proposers.base import (
     Verification,
     cost_budget,
     cost_rate,
+    not_beside_a_draft,
 )
 from ondevice.proposers.draft_tree import DraftTreeProposer, top_tokens
 from ondevice.proposers.lookup import PromptLookup
@@ -573,7 +574,9 @@ def build(res: Resources, spec: Speculation) -> MedusaProposer | HydraProposer:
     """The "medusa" method: a tree of the heads' top choices, num_draft_tokens deep (default:
     every head), as many nodes as the verifier's pass costs say pay; sequential heads grow it
     level by level (`HydraProposer`). Heads come from `res.heads` or the cache; without them
-    `Unavailable` says how to train them."""
+    `Unavailable` says how to train them. Not a candidate of `auto` beside a draft model
+    (`not_beside_a_draft`)."""
+    not_beside_a_draft(res, spec)
     model = getattr(innermost(res.verifier), "model", None)
     if not isinstance(model, Model):
         raise OndeviceError(
