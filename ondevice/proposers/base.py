@@ -63,7 +63,7 @@ def not_beside_a_draft(res: Resources, spec: Speculation) -> None:
     the whole prompt: docs/benchmarks.md, "Issue 30, session 19"). The heads cost little a round,
     but on every Spec-Bench prompt where they won a re-check beside the draft and kept rounds (8
     to 24 of an answer's), auto fell 5-15% below the tree alone, and nowhere did their rounds
-    gain (docs/benchmarks.md, "Issues 26 and 30, session 25")."""
+    gain beyond the clock's noise (docs/benchmarks.md, "Issues 26 and 30, session 25")."""
     if spec.method == "auto" and res.draft is not None:
         raise Unavailable("a draft model is loaded: auto drafts with it instead")
 
