@@ -643,3 +643,20 @@ def test_coreml_io_mode_and_compute_plan(tmp):
     assert set(plan) == {"decode", "chunk"}
     for fname, placement in plan.items():
         assert placement.share("NeuralEngine") > 0.5, f"{fname}: {placement}"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_reference_gelu_needs_nothing_beyond_the_declared_dependencies(monkeypatch, dtype):
+    """GELU's exact form (a draft whose MLP uses it) through the reference executor: the error
+    function must not come from scipy, which only the test extras install (here blocked)."""
+    import math
+
+    from ondevice.runtime.mil import math_ops
+
+    monkeypatch.setitem(sys.modules, "scipy", None)
+    monkeypatch.setitem(sys.modules, "scipy.special", None)
+    x = np.linspace(-4, 4, 33).astype(dtype)
+    got = math_ops.KERNELS["gelu"]({"mode": "EXACT"}, None)(x)
+    want = [0.5 * float(v) * (1 + math.erf(float(v) / math.sqrt(2))) for v in x]
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got, want, rtol=1e-3 if dtype == np.float16 else 1e-6, atol=1e-3)

@@ -9,6 +9,7 @@ op's dynamic inputs. Ops whose arithmetic depends on the accumulation mode take 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -52,10 +53,14 @@ def _sigmoid(x):
     return 0.5 * (np.tanh(0.5 * x) + 1.0)  # overflow-free logistic
 
 
-def _erf(x):
-    from scipy.special import erf
+# the error function element-wise, in float64 (the standard library's: numpy has none, and a
+# wheel for one function is not worth a dependency; the reference executor runs small drafts)
+_ERF = np.vectorize(math.erf, otypes=[np.float64])
 
-    return erf(x)
+
+def _erf(x):
+    x = np.asarray(x)
+    return _ERF(x.astype(np.float64)).astype(x.dtype)
 
 
 _GELU_C = np.sqrt(2.0 / np.pi)
@@ -66,7 +71,7 @@ def _gelu(c: dict, op) -> Callable:
 
     def fn(x):
         if mode == "EXACT":
-            return 0.5 * x * (1.0 + _erf(x / np.sqrt(2.0)))
+            return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))  # in x's dtype
         if mode == "TANH_APPROXIMATION":
             return 0.5 * x * (1.0 + np.tanh(_GELU_C * (x + 0.044715 * x**3)))
         return x * _sigmoid(1.702 * x)
