@@ -50,6 +50,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -125,12 +126,15 @@ class CostProfile:
         out = _interp(self.sizes, self.seconds, n_arr)
         if self.long_context > self.context and self.at > self.context and self.long_sizes:
             share = (self.at - self.context) / (self.long_context - self.context)
-            out = out + share * _interp(self.long_sizes, self._growth(), n_arr)
+            out = out + share * _interp(self.long_sizes, self._growth, n_arr)
         return float(out) if np.ndim(n) == 0 else out
 
+    @cached_property
     def _growth(self) -> list[float]:
         """Per long size, how much more its excess over a one-token pass cost at `long_context`
-        than at `context` (never less than 0, nor less than a smaller size's: timing noise)."""
+        than at `context` (never less than 0, nor less than a smaller size's: timing noise).
+        Derived once: the measured fields do not change, and a round's sizing asks the costs
+        many times."""
         long = np.asarray(self.long_seconds, np.float64)
         short = _interp(self.sizes, self.seconds, np.asarray(self.long_sizes, np.float64))
         grew = np.maximum((long - long[0]) - (short - short[0]), 0.0)
