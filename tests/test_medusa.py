@@ -296,7 +296,7 @@ def test_the_tree_holds_the_best_paths_by_the_product_of_head_probabilities(veri
     table[1, [20, 21, 22]] = [0.7, 0.25, 0.05]  # head 2
     prop.head_probs = lambda state: table  # type: ignore[method-assign]
     prop.reset([1, 2])
-    assert prop.propose([1, 2], 4, PositionNoise(0)).size == 0  # no state yet: a plain step
+    assert prop.propose([1, 2], 4, PositionNoise(0)).size == 0  # no state: a plain step
     prop.state = np.zeros(model.config.hidden_size, np.float32)
     tree = prop.propose([1, 2], 4, PositionNoise(0))
     # by value: 10 (.5), 10-20 (.35), 11 (.3), 11-20 (.21), 12 (.15); then 10-21 (.125) ...
@@ -311,6 +311,48 @@ def test_the_tree_holds_the_best_paths_by_the_product_of_head_probabilities(veri
     assert np.array_equal(prop.state, hidden[path[-1]])
     assert prop.realised[1] == prop.realised[2] == 2
     assert prop.predicted[1] == pytest.approx(1 + 0.95) and prop.predicted[2] == pytest.approx(1.56)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_the_first_round_drafts_from_the_prompts_last_state(kind, verifier, tmp_path, monkeypatch):
+    """The prefill's last row is the verifier's state at prompt[-2], where each later round's
+    guesses start from a verification's: the heads draft the first round from it instead of
+    spending it on a plain step (one pass an answer). A prompt the cache held whole has no
+    such row: None, and the first round is a plain step as before."""
+    from ondevice.decoders.tree import TreeDecoder
+    from ondevice.rules.engine import prefill
+    from ondevice.runtime.engines import MLXEngine, innermost, tree_engine
+
+    h = write_heads(load_model(verifier).model, tmp_path / "heads", num_heads=3, noise=0.05,
+                    kind=kind)  # fmt: skip
+    seen: list[tuple[list[int], np.ndarray | None, np.ndarray | None]] = []
+    served: list = []  # the model as the generation serves it (the CPU kernel's products)
+    step = TreeDecoder.step
+
+    def first_step(self, seq, room):  # the proposer's state when the first round is built
+        if len(seen) < 1:
+            p = self.proposer
+            state = p.heads_draft.hidden if kind == "hydra" else p.state
+            seen.append((list(seq), self.prompt_state, None if state is None else state.copy()))
+            served.append(innermost(self.verifier).model)  # type: ignore[attr-defined]
+        return step(self, seq, room)
+
+    monkeypatch.setattr(TreeDecoder, "step", first_step)
+    gen = ondevice.load(verifier, heads=h)
+    plain = gen.generate(PROMPTS[2], max_tokens=16, speculative=False)
+    spec = gen.generate(PROMPTS[2], max_tokens=16, method="medusa", cache_prompt=False)
+    assert spec.tokens == plain.tokens
+    ((prompt, handed, used),) = seen
+    assert handed is not None and used is not None
+    np.testing.assert_array_equal(used, handed)  # what the first round drafts from
+    model = served[0]
+    _, states = model(mx.array([prompt[:-1]]), model.make_cache(), hidden=True)
+    rows = np.array(states[0].astype(mx.float32))
+    np.testing.assert_allclose(handed, rows[-1], rtol=1e-3, atol=1e-3)  # prompt[-2]'s state
+    assert not np.allclose(handed, rows[-2], rtol=1e-3, atol=1e-3)
+    engine = tree_engine(MLXEngine(model))
+    np.testing.assert_allclose(prefill(engine, prompt[:-1], hidden=True), handed, atol=1e-6)
+    assert prefill(engine, prompt[:-1], resume=True, hidden=True) is None  # held whole
 
 
 def test_in_auto_the_heads_draft_from_the_latest_state_whoever_proposed(verifier, heads):
@@ -329,6 +371,8 @@ def test_in_auto_the_heads_draft_from_the_latest_state_whoever_proposed(verifier
     auto = AutoProposer([NoProposal(), medusa], CostProfile([1], [1.0]))
     auto.reset([1, 2])
     d = model.config.hidden_size
+    auto.start_from(np.full(d, 7.0, np.float32))  # the prompt's last state, to the heads
+    assert np.array_equal(medusa.state, np.full(d, 7.0))
     seq, names = [1, 2], []
     auto._choose = lambda room, skip: len(names) % 2  # type: ignore[method-assign]  # alternate
     for r in range(6):

@@ -21,6 +21,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from ondevice.errors import ContextLengthError
 from ondevice.rules.engine import Engine, prefill
 from ondevice.rules.sampling import TokenLogprob
@@ -81,7 +83,13 @@ class DecoderBase:
     has more engines to fill, `prefill_rest`; `round_logprobs` when it reports log-probs.
 
     cost_watch: told how long each verifier pass took (`timed_pass`; `runtime/pass_costs.py`'s
-    `CostWatch` marks a profile the live passes disagree with stale)."""
+    `CostWatch` marks a profile the live passes disagree with stale).
+
+    hidden: whether a proposer reads the verifier's hidden states; the prefill then keeps the
+    one at the prompt's last prefilled token (`prompt_state`, None where the prompt cache held
+    every token), which the first round drafts from."""
+
+    hidden = False
 
     def __init__(
         self,
@@ -98,6 +106,7 @@ class DecoderBase:
         self.time_verify = 0.0
         # why the latest round drafted nothing (reported when no round drafted anything)
         self.skip_reason: str | None = None
+        self.prompt_state: np.ndarray | None = None
 
     def check_prompt(self, prompt: Sequence[int]) -> None:
         if not prompt:
@@ -113,7 +122,7 @@ class DecoderBase:
         """Fill the caches with prompt[:-1]; `resume`: they already hold a prefix of it."""
         self.check_prompt(prompt)
         t = time.perf_counter()
-        prefill(self.verifier, prompt[:-1], resume)
+        self.prompt_state = prefill(self.verifier, prompt[:-1], resume, hidden=self.hidden)
         self.prefill_rest(prompt, resume)
         self.time_prefill += time.perf_counter() - t
 

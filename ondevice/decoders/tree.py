@@ -91,6 +91,8 @@ class TreeDecoder(DecoderBase):
             self.draft_state.resume(prompt[: min(engine.length, len(prompt) - 1)])
         self.chooser.start(prompt)
         self.proposer.reset(prompt)
+        if self.prompt_state is not None:
+            self.proposer.start_from(self.prompt_state)  # type: ignore[attr-defined]
 
     def verify(self, seq: list[int], tree: TokenTree) -> Verification:
         """Score the tree in one pass and decide the round. seq: the committed sequence (the

@@ -7,6 +7,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from ondevice.proposers.base import NoProposal, Proposer, Unavailable, Verification, wants_hidden
 from ondevice.proposers.draft_tree import DraftState, build_tree
 from ondevice.proposers.resources import Resources, Speculation
@@ -188,6 +190,11 @@ class AutoProposer:
                 rounds = self._remembered(i, self.memory[p.name])
                 # as if tried just now, as often as the memory holds rounds
                 self.tried[i], self.last_tried[i] = min(self.explore, rounds), 0
+
+    def start_from(self, state: np.ndarray) -> None:
+        for p in self.proposers:
+            if wants_hidden(p):
+                p.start_from(state)  # type: ignore[attr-defined]
 
     def score(self, i: int) -> float:
         return self.tokens[i] / self.seconds[i] if self.seconds[i] > 0 else float("inf")

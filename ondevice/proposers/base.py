@@ -89,7 +89,10 @@ class Verification:
 
 class Proposer(Protocol):
     """Builds each round's token tree. `wants_hidden` (an optional attribute, False when
-    missing): the verifier's hidden states are wanted in each `Verification`."""
+    missing): the verifier's hidden states are wanted in each `Verification`; such a proposer
+    also has `start_from(state)`, called after `reset` with the verifier's hidden state at the
+    prompt's last prefilled token (prompt[-2]) where the prefill computed one, so that the first
+    round drafts from it as later rounds draft from a verification's."""
 
     name: str
 

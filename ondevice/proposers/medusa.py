@@ -281,7 +281,8 @@ def load_heads(folder: Path, model: Model) -> tuple[Heads, HeadsInfo]:
 
 class MedusaProposer:
     """Trees from Medusa heads over the verifier's hidden state at the last accepted node (see
-    the module). The first round of a generation has no state yet and is a plain step."""
+    the module). The first round drafts from the prompt's last state (`start_from`); where the
+    prefill computed none (the prompt cache held the whole prompt) it is a plain step."""
 
     name = "medusa"
     wants_hidden = True
@@ -310,6 +311,9 @@ class MedusaProposer:
 
     def reset(self, prompt: Sequence[int]) -> None:
         self.state = None
+
+    def start_from(self, state: np.ndarray) -> None:
+        self.state = np.asarray(state, np.float32)
 
     def head_probs(self, state: np.ndarray) -> np.ndarray:
         """(K, vocab_subset) each head's temperature-1 distribution from one hidden state."""
@@ -424,7 +428,7 @@ class HeadsDraft:
         return np.array(sub)
 
     def sync(self, seq: Sequence[int]) -> np.ndarray:
-        assert self.hidden is not None, "the proposer drafts only after a verification"
+        assert self.hidden is not None, "the proposer drafts only from a verifier's state"
         logits = self._logits(0, mx.array(self.hidden[None]), [seq[-1]])
         assert self._new is not None
         self._z = {0: self._new[0]}
@@ -485,7 +489,8 @@ def level_cost(model: Model, info: HeadsInfo, verify_cost: CostProfile | None) -
 class HydraProposer(DraftTreeProposer):
     """Trees from sequential heads: a dynamic tree grown as from a draft model (see
     `DraftTreeProposer`), each level one evaluation of the next head. The first round of a
-    generation, before any verification gave a state, is a plain step.
+    generation drafts from the prompt's last state (`start_from`), or, where the prefill
+    computed none, is a plain step.
 
     With `lookup` (prompt lookup), what followed the context's tail earlier is added to the
     tree as one more branch where its match pays (`PromptLookup.propose`: learnt per match
@@ -507,6 +512,9 @@ class HydraProposer(DraftTreeProposer):
         super().reset(prompt)
         if self.lookup is not None:
             self.lookup.reset(prompt)
+
+    def start_from(self, state: np.ndarray) -> None:
+        self.heads_draft.hidden = np.asarray(state, np.float32)
 
     def propose(self, seq: list[int], max_depth: int, noise: PositionNoise) -> TokenTree:
         self._proposed, self._copied = None, []

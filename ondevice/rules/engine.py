@@ -45,23 +45,30 @@ def batch_invariant(engine: Engine) -> bool:
     return bool(getattr(engine, "batch_invariant", False))
 
 
-def prefill(engine: Engine, tokens: Sequence[int], resume: bool = False) -> None:
+def prefill(
+    engine: Engine, tokens: Sequence[int], resume: bool = False, hidden: bool = False
+) -> np.ndarray | None:
     """Make the engine's cache hold `tokens` (their logits are not needed).
 
     resume: the cache already holds a prefix of `tokens` (its first `length` entries, restored
     by the prompt cache, `runtime/prefix_cache.py`); only the rest is fed. Otherwise the cache
-    starts empty."""
+    starts empty. hidden: return the last token's hidden state (an engine with `last_hidden`,
+    `runtime/engines.MLXTreeEngine`), None where the cache already held every token."""
     if not resume:
         engine.reset()
     start = engine.length
     if start > len(tokens):
         raise ValueError(f"the cache holds {start} tokens, more than the {len(tokens)} to prefill")
-    if len(tokens) > start:
-        _pass.prompt = True
-        try:
-            engine.feed(tokens[start:], last_only=True)
-        finally:
-            _pass.prompt = False
+    if len(tokens) == start:
+        return None
+    _pass.prompt = True
+    try:
+        if hidden:
+            return engine.last_hidden(tokens[start:])  # type: ignore[attr-defined]
+        engine.feed(tokens[start:], last_only=True)
+        return None
+    finally:
+        _pass.prompt = False
 
 
 _pass = threading.local()  # what this thread's engine is feeding

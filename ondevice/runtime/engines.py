@@ -82,6 +82,16 @@ class MLXEngine:
     def forward(self, tokens: Sequence[int], last_only: bool = False) -> mx.array:
         """Lazy logits (L, vocab) for `tokens` appended to the cache (long inputs in chunks);
         with `last_only`, (1, vocab) for the last token."""
+        return self._append(tokens, last_only)[0]
+
+    def last_hidden(self, tokens: Sequence[int]) -> np.ndarray:
+        """Append `tokens` (as `forward`) and return the last one's hidden state after the
+        final norm, (hidden_size,) float32: what a Medusa head drafts from."""
+        _, states = self._append(tokens, True, hidden=True)
+        return np.array(states[0, -1].astype(mx.float32))
+
+    def _append(self, tokens: Sequence[int], last_only: bool, hidden: bool = False) -> Any:
+        """The model's output (batch of one) for the last chunk of `tokens` (see `forward`)."""
         toks = list(tokens)
         if in_prompt() and self.length <= self.prompt_rows:
             self.prompt_rows = self.length + len(toks)
@@ -89,7 +99,7 @@ class MLXEngine:
         while len(toks) > n:
             mx.eval(self.model(mx.array([toks[:n]]), self.cache, last_only=True), self.cache.state)
             toks = toks[n:]
-        return self.model(mx.array([toks]), self.cache, last_only=last_only)[0]
+        return self.model(mx.array([toks]), self.cache, last_only=last_only, hidden=hidden)
 
     def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray:
         logits = self.forward(tokens, last_only)
@@ -163,6 +173,9 @@ class MLXTreeEngine(_Wrapper):
         if states is None:
             return logits
         return logits, np.array(states[0].astype(mx.float32))
+
+    def last_hidden(self, tokens: Sequence[int]) -> np.ndarray:
+        return self.engine.last_hidden(tokens)
 
     def keep(self, n_recent: int, indices: Sequence[int]) -> None:
         engine = self.engine
