@@ -224,6 +224,14 @@ def test_distill_heads_trains_resumes_and_exports_heads_that_run(verifier, tmp_p
         distill_heads(verifier, out, steps=45, resume=True, **{**more, "num_heads": 2})
     third = distill_heads(verifier, out, steps=45, resume=True, **more)
     assert third["step"] == 45 and third["documents"] > again["documents"]
+    # --init: a new run starts from the trained heads, not the identity (the same text)
+    start = distill_heads(verifier, tmp_path / "h2", steps=0, init=out, **small)
+    assert start["held_out_loss_start"] < first["held_out_loss_start"] - 1.0
+    trained, copied = read_heads(out)[0], read_heads(tmp_path / "h2")[0]
+    assert trained.keys() == copied.keys()
+    assert all(mx.array_equal(trained[k], copied[k]).item() for k in trained)
+    with pytest.raises(ondevice.OndeviceError, match=r"heads.json: num_heads is 3 where .* 2"):
+        distill_heads(verifier, tmp_path / "h3", steps=1, init=out, **{**small, "num_heads": 2})
     gen = ondevice.load(verifier, heads=out)
     for prompt in PROMPTS:
         spec = gen.generate(prompt, max_tokens=16, method="medusa")
@@ -281,6 +289,14 @@ def test_cli_distill_heads(verifier, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "held-out greedy agreement per head" in r.stdout
     assert json.loads((out / META).read_text())["num_heads"] == 2
+    other = [*cmd[:9], str(tmp_path / "h2"), *cmd[10:], "--init", str(out)]
+    other[other.index("medusa")] = "hydra"  # other kind of heads than --init's
+    r = subprocess.run(other, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode != 0 and "kind is 'medusa' where this run trains 'hydra'" in r.stderr
+    draft = [sys.executable, "-m", "ondevice", "distill", "--verifier", str(verifier), "-o",
+             str(tmp_path / "d"), "--init", str(out)]  # fmt: skip
+    r = subprocess.run(draft, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode != 0 and "needs --heads" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_the_tree_holds_the_best_paths_by_the_product_of_head_probabilities(verifier, heads):

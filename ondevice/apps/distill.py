@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ondevice.apps import options
+from ondevice.errors import OndeviceError
 
 HELP = "train a draft model (or Medusa heads) for a verifier (knowledge distillation with MLX)"
 DESCRIPTION = (
@@ -35,6 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--num-heads", type=int, default=4, help="--heads: heads, one per token ahead (default: 4)"
+    )
+    p.add_argument(
+        "--init",
+        metavar="HEADS",
+        help="--heads: start from these heads (e.g. the shipped ones, or an earlier run's "
+        "output) instead of the identity, to train them on more answers",
     )
     p.add_argument(
         "--data",
@@ -116,6 +123,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.heads:
         return run_heads(args)
+    if args.init:
+        raise OndeviceError("--init starts heads from a heads folder; it needs --heads.")
     from ondevice.distill import distill
 
     summary = distill(
@@ -174,6 +183,7 @@ def run_heads(args: argparse.Namespace) -> int:
         gen_batch=args.gen_batch or 16,
         max_tokens=args.max_tokens,
         max_mb=args.max_mb or None,
+        init=args.init,
         **_common(args),
     )
     agree = " ".join(f"{a:.3f}" for a in summary["head_agreement"])

@@ -78,6 +78,7 @@ from ondevice.proposers.medusa import (
     HeadsInfo,
     embed_tokens,
     heads_cache_path,
+    load_heads,
     verifier_fingerprint,
 )
 from ondevice.runtime.kernel import load_served
@@ -489,9 +490,14 @@ def distill_heads(
     eval_every: int = 100,
     checkpoint_every: int = 50,
     max_mb: float | None = 30.0,
+    init: str | Path | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train Medusa heads for `verifier` into the folder `output`; returns the run's summary.
+
+    init: a heads folder for this verifier (the shipped heads, an earlier run's output) that
+    training starts from instead of the identity, to train them on more answers; its kind,
+    number of heads and vocabulary subset are the run's.
 
     chat_fraction: the share of `tokens` that are the verifier's own chat answers (conversations
     of at most `max_tokens`, `gen_batch` written at once); the rest are documents. max_mb: the
@@ -513,10 +519,12 @@ def distill_heads(
         embed_bits=None, seed=seed, eval_every=eval_every, checkpoint_every=checkpoint_every,
         extra={"heads": kind, "num_heads": num_heads, "top_k": top_k,
                "data": sorted(map(str, data_files or [])), "chat_fraction": chat_fraction,
-               "gen_batch": gen_batch, "max_tokens": max_tokens},
+               "gen_batch": gen_batch, "max_tokens": max_tokens,
+               "init": str(Path(init).resolve()) if init is not None else None},
     )  # fmt: skip
     if resume:
         _check_resume(work, cfg)
+    start = _start_heads(init, teacher.model, kind, num_heads, vocab)  # checked before the data
     chat_tokens = round(tokens * chat_fraction)
     train_pieces, held_pieces, used = [], [], []
     if tokens > chat_tokens:  # documents (--data files first) make up the rest
@@ -539,7 +547,7 @@ def distill_heads(
     out_rows = OutputRows(model, vocab)
     del model, teacher  # training needs only the output rows: the verifier's memory goes back
 
-    heads = identity_heads(tcfg.hidden_size, num_heads, kind)
+    heads = start or identity_heads(tcfg.hidden_size, num_heads, kind)
     opt = optim.AdamW(learning_rate=learning_rate, weight_decay=0.0)
     opt.init(heads.trainable_parameters())
     step, elapsed = 0, 0.0
@@ -571,6 +579,26 @@ def distill_heads(
         file=sys.stderr,
     )
     return {**recipe, **summary, "data_time_s": round(data_time, 1)}
+
+
+def _start_heads(
+    init: str | Path | None, model: Model, kind: str, num_heads: int, vocab: int
+) -> Heads | None:
+    """The heads of the folder `init` as training's start (None without one), checked against
+    the verifier (`load_heads`) and the run's options, naming the field that differs."""
+    if init is None:
+        return None
+    heads, info = load_heads(Path(init), model)
+    meta = Path(init) / META
+    for name, have, want in (("kind", info.kind, kind), ("num_heads", info.num_heads, num_heads),
+                             ("vocab_subset", info.vocab_subset, vocab)):  # fmt: skip
+        if have != want:
+            raise OndeviceError(
+                f"{meta}: {name} is {have!r} where this run trains {want!r}; pass the options "
+                f"that match the heads to --init (--heads, --num-heads, --vocab), or leave out "
+                "--init to start from the identity."
+            )
+    return heads
 
 
 def _recipe(
@@ -657,17 +685,18 @@ def _train_loop(
 # what a resumed run may change: where its text comes from (more answers, other documents are
 # how heads get better); the heads themselves and their targets must stay as they were
 DATA_OPTIONS = ("data", "chat_fraction", "gen_batch", "max_tokens")
+RESUMED_FREELY = (*DATA_OPTIONS, "init")  # a resumed run starts from its checkpoint anyway
 
 
 def _check_resume(work: Path, cfg: TrainConfig) -> None:
     """Refuse a --resume whose checkpoint was made with other heads or targets (or is missing);
-    the text may differ (`DATA_OPTIONS`)."""
+    the text (`DATA_OPTIONS`) and --init may differ."""
     old = checkpoint_config(work / CHECKPOINT)
     if old is None:
         raise OndeviceError(f"{work}: no checkpoint to resume from; run without --resume.")
 
     def heads_options(c: dict) -> dict:
-        extra = {k: v for k, v in c["extra"].items() if k not in DATA_OPTIONS}
+        extra = {k: v for k, v in c["extra"].items() if k not in RESUMED_FREELY}
         return {"vocab": c["vocab"], "seq_len": c["seq_len"], **extra}
 
     was, now = heads_options(old), heads_options(asdict(cfg))
