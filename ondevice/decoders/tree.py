@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from ondevice.decoders.base import DecoderBase, Step
 from ondevice.errors import OndeviceError
-from ondevice.proposers.base import Proposer, Verification, wants_hidden
+from ondevice.proposers.base import Proposer, Verification, start_from, wants_hidden
 from ondevice.proposers.draft_tree import DraftState
 from ondevice.rules import accept
 from ondevice.rules.chooser import TokenChooser, TreeRule
@@ -92,7 +92,7 @@ class TreeDecoder(DecoderBase):
         self.chooser.start(prompt)
         self.proposer.reset(prompt)
         if self.prompt_state is not None:
-            self.proposer.start_from(self.prompt_state)  # type: ignore[attr-defined]
+            start_from(self.proposer, self.prompt_state)
 
     def verify(self, seq: list[int], tree: TokenTree) -> Verification:
         """Score the tree in one pass and decide the round. seq: the committed sequence (the

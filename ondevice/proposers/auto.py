@@ -9,7 +9,14 @@ from dataclasses import replace
 
 import numpy as np
 
-from ondevice.proposers.base import NoProposal, Proposer, Unavailable, Verification, wants_hidden
+from ondevice.proposers.base import (
+    NoProposal,
+    Proposer,
+    Unavailable,
+    Verification,
+    start_from,
+    wants_hidden,
+)
 from ondevice.proposers.draft_tree import DraftState, build_tree
 from ondevice.proposers.resources import Resources, Speculation
 from ondevice.rules.noise import PositionNoise
@@ -193,8 +200,7 @@ class AutoProposer:
 
     def start_from(self, state: np.ndarray) -> None:
         for p in self.proposers:
-            if wants_hidden(p):
-                p.start_from(state)  # type: ignore[attr-defined]
+            start_from(p, state)
 
     def score(self, i: int) -> float:
         return self.tokens[i] / self.seconds[i] if self.seconds[i] > 0 else float("inf")

@@ -90,9 +90,9 @@ class Verification:
 class Proposer(Protocol):
     """Builds each round's token tree. `wants_hidden` (an optional attribute, False when
     missing): the verifier's hidden states are wanted in each `Verification`; such a proposer
-    also has `start_from(state)`, called after `reset` with the verifier's hidden state at the
-    prompt's last prefilled token (prompt[-2]) where the prefill computed one, so that the first
-    round drafts from it as later rounds draft from a verification's."""
+    may also have `start_from(state)`, called after `reset` with the verifier's hidden state at
+    the prompt's last prefilled token (prompt[-2]) where the prefill computed one, so that the
+    first round drafts from it as later rounds draft from a verification's."""
 
     name: str
 
@@ -111,6 +111,13 @@ class Proposer(Protocol):
 def wants_hidden(proposer: Proposer) -> bool:
     """Whether `proposer` reads the verifier's hidden states."""
     return bool(getattr(proposer, "wants_hidden", False))
+
+
+def start_from(proposer: Proposer, state: np.ndarray) -> None:
+    """Hand `proposer` the prompt's last hidden state, where it takes one (`Proposer`)."""
+    take = getattr(proposer, "start_from", None)
+    if take is not None:
+        take(state)
 
 
 BudgetFn = Callable[[np.ndarray], int]

@@ -142,7 +142,8 @@ class MLXTreeEngine(_Wrapper):
     mask at explicit positions, and keep a subset of the last cache entries."""
 
     engine: MLXEngine
-    returns_hidden = True  # feed_masked(..., hidden=True) also gives the last hidden states
+    # feed_masked(..., hidden=True) also gives the last hidden states, last_hidden a prompt's
+    returns_hidden = True
 
     def __init__(self, engine: MLXEngine):
         super().__init__(engine)

@@ -92,6 +92,12 @@ class _TreePasses(_ContextEngine):
         """The logits and the last hidden state after a context (engines that have one)."""
         raise NotImplementedError
 
+    def last_hidden(self, tokens: Sequence[int]) -> np.ndarray:
+        """Append `tokens` and return the last one's hidden state, as `MLXTreeEngine` does
+        for a prompt."""
+        self.feed(tokens, last_only=True)
+        return self.state(self.tokens)[1]
+
     def keep(self, n_recent: int, indices: Sequence[int]) -> None:
         tail = self.tokens[len(self.tokens) - n_recent :]
         self.tokens = self.tokens[: len(self.tokens) - n_recent] + [tail[i] for i in indices]
