@@ -227,6 +227,7 @@ def test_distill_heads_trains_resumes_and_exports_heads_that_run(verifier, tmp_p
     # --init: a new run starts from the trained heads, not the identity (the same text)
     start = distill_heads(verifier, tmp_path / "h2", steps=0, init=out, **small)
     assert start["held_out_loss_start"] < first["held_out_loss_start"] - 1.0
+    assert json.loads((tmp_path / "h2" / META).read_text())["init"] == str(out.resolve())
     trained, copied = read_heads(out)[0], read_heads(tmp_path / "h2")[0]
     assert trained.keys() == copied.keys()
     assert all(mx.array_equal(trained[k], copied[k]).item() for k in trained)

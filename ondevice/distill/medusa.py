@@ -621,6 +621,7 @@ def _recipe(
         "held_out_tokens": int(held.length.sum()),
         "top_k": cfg.extra["top_k"],
         "train": {k: v for k, v in asdict(cfg).items() if k not in ("extra", "layers")},
+        **({"init": cfg.extra["init"]} if cfg.extra.get("init") else {}),  # the heads it began as
     }
 
 
