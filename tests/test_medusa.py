@@ -231,6 +231,8 @@ def test_distill_heads_trains_resumes_and_exports_heads_that_run(verifier, tmp_p
     trained, copied = read_heads(out)[0], read_heads(tmp_path / "h2")[0]
     assert trained.keys() == copied.keys()
     assert all(mx.array_equal(trained[k], copied[k]).item() for k in trained)
+    resumed = distill_heads(verifier, tmp_path / "h2", steps=2, resume=True, **small)  # no --init
+    assert resumed["step"] == 2 and len(resumed["losses"]) == 2
     with pytest.raises(ondevice.OndeviceError, match=r"heads.json: num_heads is 3 where .* 2"):
         distill_heads(verifier, tmp_path / "h3", steps=1, init=out, **{**small, "num_heads": 2})
     gen = ondevice.load(verifier, heads=out)
