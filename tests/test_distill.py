@@ -8,11 +8,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from support.stats import chi_square_p
 from tiny import write_model
 
 from ondevice.distill import distill, draft_vocab_size, parse_layers
 from ondevice.distill.data import answers_only, chat_turn_tokens, magpie_batch
-from ondevice.distill.teacher import load_teacher
+from ondevice.distill.teacher import load_teacher, topk_logprobs
 from ondevice.errors import OndeviceError
 
 SMALL = dict(
@@ -61,6 +62,37 @@ def test_magpie_data_has_conversations_with_teacher_targets(verifier):
         assert learn[0] == i + len(suffix) - 1
     lp = shard.logp[shard.mask].astype(np.float32)
     assert (lp <= 1e-3).all() and (np.diff(lp, axis=1) <= 1e-3).all()  # sorted log-probs
+
+
+def test_the_written_answers_are_drawn_from_the_tempered_distribution():
+    """`magpie_batch`'s draws (numpy: `_draw`) follow softmax(logits / T), and greedily the
+    argmax; a draw that ignored the temperature is caught by the same test."""
+    from ondevice.distill.data import _draw
+
+    logits = np.log(np.array([0.05, 0.1, 0.15, 0.2, 0.5]))
+    rng = np.random.default_rng(0)
+    for T in (0.4, 1.0):
+        counts = np.bincount([_draw(logits, T, rng) for _ in range(4000)], minlength=5)
+        want = np.exp(logits / T) / np.exp(logits / T).sum()
+        assert chi_square_p(counts, want) > 0.001
+        assert chi_square_p(counts, np.exp(logits) if T != 1 else want[::-1]) < 1e-6
+    assert _draw(logits, 0.0, rng) == 4
+
+
+def test_top_k_log_probabilities_in_numpy():
+    """The teacher's record of a position: its k likeliest ids, likeliest first, and their exact
+    log-probabilities, whether the logits come as MLX or numpy, in one block or several."""
+    from ondevice.distill import teacher
+
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((3, teacher.ROWS_AT_ONCE // 2 + 1, 50)).astype(np.float32) * 4
+    want = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    for given in (logits, mx.array(logits)):
+        ids, lp = topk_logprobs(given, 6)
+        assert ids.shape == lp.shape == (3, teacher.ROWS_AT_ONCE // 2 + 1, 6)
+        assert ids.dtype == np.int32 and lp.dtype == np.float32
+        np.testing.assert_array_equal(ids, np.argsort(-logits, axis=-1, kind="stable")[..., :6])
+        np.testing.assert_allclose(lp, np.take_along_axis(want, ids, -1), atol=1e-5)
 
 
 def test_loss_decreases_and_agreement_improves(trained):

@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gen-batch",
         type=int,
-        help="conversations generated at once (default: 32; --heads: 16)",
+        help="conversations generated at once (default: 32; --heads: 64)",
     )
     p.add_argument(
         "--chat-fraction",
@@ -168,7 +168,7 @@ def _common(args: argparse.Namespace) -> dict:
 
 
 def run_heads(args: argparse.Namespace) -> int:
-    from ondevice.distill.medusa import distill_heads
+    from ondevice.distill.medusa import GEN_BATCH, distill_heads
 
     summary = distill_heads(
         args.verifier,
@@ -180,7 +180,7 @@ def run_heads(args: argparse.Namespace) -> int:
         seq_len=args.seq_len or 512,
         learning_rate=args.lr or 1e-3,
         chat_fraction=args.chat_fraction,
-        gen_batch=args.gen_batch or 16,
+        gen_batch=args.gen_batch or GEN_BATCH,
         max_tokens=args.max_tokens,
         max_mb=args.max_mb or None,
         init=args.init,

@@ -30,6 +30,7 @@ from ondevice.distill.teacher import score_sequences, topk_logprobs
 from ondevice.errors import OndeviceError
 from ondevice.models import Tokenizer
 from ondevice.models.transformer import Model
+from ondevice.rules.sampling import sample
 
 _MARK = "\u2063MAGPIE\u2063"  # a string no template contains, to split a rendered turn
 
@@ -95,6 +96,13 @@ def chat_turn_tokens(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
     return pre, suf
 
 
+def _draw(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+    """A token from softmax(logits / temperature), the most likely one at temperature 0."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    return sample(np.exp((logits - logits.max()).astype(np.float64) / temperature), rng)
+
+
 def magpie_batch(
     model: Model,
     tokenizer: Tokenizer,
@@ -119,7 +127,7 @@ def magpie_batch(
     prefix, suffix = chat_turn_tokens(tokenizer)
     end_user = suffix[0]  # the template's end-of-turn token: the model closes its user turn
     eos = set(tokenizer.eos_token_ids) | {end_user}
-    key = mx.random.key(seed)
+    rng = np.random.default_rng(seed)
     P = len(prefix)
     max_user = min(max_user_tokens, max_tokens // 3)  # short conversations still get answers
     toks = np.zeros((batch, max_tokens), np.int32)
@@ -146,16 +154,14 @@ def magpie_batch(
     logits = step(toks[:, :P])
     for pos in range(P, max_tokens):
         # logits predict the token at `pos`; their top-k is the teacher's record for pos - 1.
-        top_i, top_v = topk_logprobs(logits, k)
-        temps = np.where(phase == 0, user_temperature, answer_temperature).astype(np.float32)
-        key, sub = mx.random.split(key)
-        safe = mx.array(np.maximum(temps, 1e-6))[:, None]
-        sampled = mx.random.categorical(logits.astype(mx.float32) / safe, key=sub)
-        greedy = mx.argmax(logits, axis=-1)
-        nxt = mx.where(mx.array(temps > 0), sampled, greedy)
-        mx.eval(top_i, top_v, nxt)
-        nxt_np = np.array(nxt).astype(np.int32)
-        ids[:, pos - 1], logp[:, pos - 1] = np.array(top_i), np.array(top_v).astype(np.float16)
+        logits_np = np.asarray(logits.astype(mx.float32))
+        top_i, top_v = topk_logprobs(logits_np, k)
+        temps = np.where(phase == 0, user_temperature, answer_temperature)
+        nxt_np = np.array(  # (rows past their answer or in the forced template tokens: no draw)
+            [_draw(r, t, rng) if f in (0, 2) else 0 for r, t, f in zip(logits_np, temps, phase)],
+            np.int32,
+        )
+        ids[:, pos - 1], logp[:, pos - 1] = top_i, top_v.astype(np.float16)
         for b in range(batch):
             if phase[b] == 3:
                 nxt_np[b] = toks[b, pos - 1]  # keep feeding something; masked out

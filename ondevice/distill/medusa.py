@@ -89,7 +89,7 @@ MAX_FILE_BYTES = 200_000  # long generated files (tables, vendored data) say lit
 ROWS_PER_SHARD = 32
 PIECES_PER_DOCUMENT = 4  # a long file says less per token than a new one
 CHAT_FRACTION = 0.75  # of the training tokens, the verifier's own answers (the rest: documents)
-GEN_BATCH = 16  # conversations written at once: a pass over 16 tokens costs little more than one
+GEN_BATCH = 64  # conversations written at once (docs/distill.md, "Writing the answers")
 
 
 def local_documents() -> list[Path]:
@@ -231,8 +231,7 @@ def hidden_shards(
                 x[r, : len(p)] = p
             logits, h = teacher.model(mx.array(x), hidden=True)
             top_i, top_v = topk_logprobs(logits, k)
-            mx.eval(h, top_i, top_v)
-            h16, top_i, top_v = np.array(h.astype(mx.float16)), np.array(top_i), np.array(top_v)
+            h16 = np.array(h.astype(mx.float16))
             for r, p in enumerate(group):
                 hid.append(h16[r, : len(p)])
                 ids.append(top_i[r, : len(p)])

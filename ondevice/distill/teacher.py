@@ -64,14 +64,29 @@ def dequantized(model: Model) -> dict[str, mx.array]:
     return out
 
 
-def topk_logprobs(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """The k most likely ids (most likely first) and their log-probabilities, per row."""
-    logp = logits.astype(mx.float32)
-    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-    ids = mx.argpartition(-logp, k - 1, axis=-1)[..., :k]
-    vals = mx.take_along_axis(logp, ids, axis=-1)
-    order = mx.argsort(-vals, axis=-1)
-    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+ROWS_AT_ONCE = 256  # `topk_logprobs` works on this many rows at a time (bounded temporaries)
+
+
+def topk_logprobs(logits: mx.array | np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely ids (most likely first, int32) and their log-probabilities (float32),
+    per row of logits (..., V), in numpy: its `exp` is vectorised where MLX's CPU `exp` is
+    scalar, which made this five times faster over a generation step's 16 rows of the 1.5B's
+    151,936 ids (94 against 17 ms with the sampling; docs/distill.md, "Writing the answers")."""
+    a = np.asarray(logits.astype(mx.float32)) if isinstance(logits, mx.array) else logits
+    *lead, V = a.shape
+    a = a.reshape(-1, V)
+    ids = np.empty((len(a), k), np.int32)
+    vals = np.empty((len(a), k), np.float32)
+    for i in range(0, len(a), ROWS_AT_ONCE):
+        x = np.asarray(a[i : i + ROWS_AT_ONCE], np.float32)
+        m = x.max(axis=1, keepdims=True)
+        lse = np.log(np.exp(x - m).sum(axis=1, keepdims=True)) + m
+        top = np.argpartition(x, V - k, axis=1)[:, V - k :]
+        v = np.take_along_axis(x, top, axis=1)
+        order = np.argsort(-v, axis=1, kind="stable")
+        ids[i : i + len(x)] = np.take_along_axis(top, order, axis=1)
+        vals[i : i + len(x)] = np.take_along_axis(v, order, axis=1) - lse
+    return ids.reshape(*lead, k), vals.reshape(*lead, k)
 
 
 def score_sequences(
@@ -93,9 +108,7 @@ def score_sequences(
         x = np.zeros((len(group), L), np.int32)
         for r, j in enumerate(group):
             x[r, : len(seqs[j])] = seqs[j]
-        ids, lp = topk_logprobs(model(mx.array(x)), k)
-        mx.eval(ids, lp)
-        ids_np, lp_np = np.array(ids), np.array(lp)
+        ids_np, lp_np = topk_logprobs(model(mx.array(x)), k)
         for r, j in enumerate(group):
             n_j = len(seqs[j])
             out[j] = (ids_np[r, :n_j].astype(np.int32), lp_np[r, :n_j].astype(np.float16))
