@@ -30,7 +30,7 @@ from ondevice.distill.teacher import score_sequences, topk_logprobs
 from ondevice.errors import OndeviceError
 from ondevice.models import Tokenizer
 from ondevice.models.transformer import Model
-from ondevice.rules.sampling import sample
+from ondevice.rules.sampling import SamplingParams, probabilities, sample
 
 _MARK = "\u2063MAGPIE\u2063"  # a string no template contains, to split a rendered turn
 
@@ -98,9 +98,7 @@ def chat_turn_tokens(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
 
 def _draw(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
     """A token from softmax(logits / temperature), the most likely one at temperature 0."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    return sample(np.exp((logits - logits.max()).astype(np.float64) / temperature), rng)
+    return sample(probabilities(logits, SamplingParams(temperature=float(temperature))), rng)
 
 
 def magpie_batch(
