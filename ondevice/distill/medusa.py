@@ -230,6 +230,7 @@ def hidden_shards(
             for r, p in enumerate(group):
                 x[r, : len(p)] = p
             logits, h = teacher.model(mx.array(x), hidden=True)
+            mx.eval(logits, h)  # one evaluation for both (lazy where MLX computes the model)
             top_i, top_v = topk_logprobs(logits, k)
             h16 = np.array(h.astype(mx.float16))
             for r, p in enumerate(group):
