@@ -89,7 +89,7 @@ MAX_FILE_BYTES = 200_000  # long generated files (tables, vendored data) say lit
 ROWS_PER_SHARD = 32
 PIECES_PER_DOCUMENT = 4  # a long file says less per token than a new one
 CHAT_FRACTION = 0.75  # of the training tokens, the verifier's own answers (the rest: documents)
-GEN_BATCH = 64  # conversations written at once (docs/distill.md, "Writing the answers")
+GEN_BATCH = 64  # conversations written at once (docs/distill.md, "Writing the answers faster")
 
 
 def local_documents() -> list[Path]:
