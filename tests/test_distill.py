@@ -64,6 +64,21 @@ def test_magpie_data_has_conversations_with_teacher_targets(verifier):
     assert (lp <= 1e-3).all() and (np.diff(lp, axis=1) <= 1e-3).all()  # sorted log-probs
 
 
+def test_magpie_conversations_are_written_under_the_given_system_prompt(verifier):
+    """A system prompt steers what the self-written user turns ask (the heads' coding share):
+    every conversation opens with the template's rendering of it, not the default opening."""
+    teacher = load_teacher(verifier)
+    system = "You write code in Python."
+    prefix, suffix = chat_turn_tokens(teacher.tokenizer, system)
+    assert prefix != chat_turn_tokens(teacher.tokenizer)[0]
+    assert system in teacher.tokenizer.decode(prefix)
+    shard = magpie_batch(teacher.model, teacher.tokenizer, batch=3, k=5, max_tokens=160, seed=3,
+                         system=system)  # fmt: skip
+    assert len(shard.starts) > 0
+    for a in shard.starts:
+        assert shard.tokens[a : a + len(prefix)].tolist() == prefix
+
+
 def test_the_written_answers_are_drawn_from_the_tempered_distribution():
     """`magpie_batch`'s draws (numpy: `_draw`) follow softmax(logits / T), and greedily the
     argmax; a draw that ignored the temperature is caught by the same test."""

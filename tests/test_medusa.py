@@ -219,11 +219,16 @@ def test_distill_heads_trains_resumes_and_exports_heads_that_run(verifier, tmp_p
     assert again["step"] == 40 and len(again["losses"]) == 10  # continued, not restarted
     assert "head_agreement_start" not in again
     # resumed on other text (more documents): continues; other heads: refused, naming the option
-    more = {**small, "chat_fraction": 0.2, "tokens": 7000}
+    more = {**small, "chat_fraction": 0.2, "tokens": 7000, "code_share": 0.5,
+            "max_tokens": 320}  # fmt: skip
     with pytest.raises(ondevice.OndeviceError, match="num_heads=3, not 2"):
         distill_heads(verifier, out, steps=45, resume=True, **{**more, "num_heads": 2})
     third = distill_heads(verifier, out, steps=45, resume=True, **more)
     assert third["step"] == 45 and third["documents"] > again["documents"]
+    # half of the answers now written under the coding system prompt, in their own shards
+    work = out.with_name(out.name + ".work") / "hidden"
+    assert sorted(p.name for p in work.glob("code-*.npz"))[0] == "code-00000.npz"
+    assert third["data"][1].startswith("a share of 0.5 of them")
     # --init: a new run starts from the trained heads, not the identity (the same text)
     start = distill_heads(verifier, tmp_path / "h2", steps=0, init=out, **small)
     assert start["held_out_loss_start"] < first["held_out_loss_start"] - 1.0

@@ -94,6 +94,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "documents (default: 0.75)",
     )
     p.add_argument(
+        "--code-share",
+        type=float,
+        default=0.0,
+        help="--heads: share of those answers written under a programming assistant's system "
+        "prompt, which steers the conversations to code (default: 0)",
+    )
+    p.add_argument(
         "--max-tokens", type=int, default=288, help="longest conversation/document piece"
     )
     p.add_argument(
@@ -180,6 +187,7 @@ def run_heads(args: argparse.Namespace) -> int:
         seq_len=args.seq_len or 512,
         learning_rate=args.lr or 1e-3,
         chat_fraction=args.chat_fraction,
+        code_share=args.code_share,
         gen_batch=args.gen_batch or GEN_BATCH,
         max_tokens=args.max_tokens,
         max_mb=args.max_mb or None,

@@ -80,11 +80,15 @@ def save_npz(path: Path, **arrays: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def chat_turn_tokens(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
-    """Token ids that open a user turn (incl. any default system prompt), and those that close
-    the user turn and open the assistant's answer, both taken from the chat template."""
+def chat_turn_tokens(
+    tokenizer: Tokenizer, system: str | None = None
+) -> tuple[list[int], list[int]]:
+    """Token ids that open a user turn (incl. `system`, or else any default system prompt), and
+    those that close the user turn and open the assistant's answer, both taken from the chat
+    template."""
+    turns = [{"role": "system", "content": system}] if system is not None else []
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _MARK}], add_generation_prompt=True
+        [*turns, {"role": "user", "content": _MARK}], add_generation_prompt=True
     )
     if _MARK not in text:
         raise OndeviceError("the chat template does not render the user message; use --data.")
@@ -115,18 +119,26 @@ def magpie_batch(
     seed: int = 0,
     on_token: Callable[[int], None] | None = None,
     hidden: bool = False,
+    system: str | None = None,
 ) -> Shard:
     """`batch` self-written conversations (user turn + answer) with the teacher's top-k (and
-    with `hidden`, its last hidden state after the final norm, from the same pass).
+    with `hidden`, its last hidden state after the final norm, from the same pass). `system`:
+    the system prompt the conversations are written under (the template's default where None),
+    which steers what the user turns ask, as Magpie's task-specific system prompts do.
 
     The batch stops when `stop_fraction` of its conversations have finished (or at
     `max_tokens`): waiting for the longest answer would spend most steps on a few rows.
     """
-    prefix, suffix = chat_turn_tokens(tokenizer)
+    prefix, suffix = chat_turn_tokens(tokenizer, system)
     end_user = suffix[0]  # the template's end-of-turn token: the model closes its user turn
     eos = set(tokenizer.eos_token_ids) | {end_user}
     rng = np.random.default_rng(seed)
     P = len(prefix)
+    if P + len(suffix) + 8 > max_tokens:
+        raise OndeviceError(
+            f"a conversation's opening (the chat template with its system prompt) is {P} tokens, "
+            f"too long for conversations of --max-tokens {max_tokens}; raise --max-tokens."
+        )
     max_user = min(max_user_tokens, max_tokens // 3)  # short conversations still get answers
     toks = np.zeros((batch, max_tokens), np.int32)
     toks[:, :P] = prefix

@@ -90,6 +90,16 @@ ROWS_PER_SHARD = 32
 PIECES_PER_DOCUMENT = 4  # a long file says less per token than a new one
 CHAT_FRACTION = 0.75  # of the training tokens, the verifier's own answers (the rest: documents)
 GEN_BATCH = 64  # conversations written at once (docs/distill.md, "Writing the answers faster")
+# The system prompts the self-written conversations are written under, by the shards' name: what
+# a user turn asks follows the system prompt (Magpie's task-specific system prompts, Xu et al.
+# 2024). Under the template's own default a coding model writes few coding questions (about a
+# quarter of its answer positions hold code; docs/distill.md, "eighth run"), so a share of the
+# answers (`code_share`) is written under a programming assistant's.
+TOPICS: dict[str, str | None] = {
+    "chat": None,
+    "code": "You are a programming assistant. The user asks you to write, explain, fix or "
+    "review code in a programming language; you answer with working code and a short explanation.",
+}
 
 
 def local_documents() -> list[Path]:
@@ -275,24 +285,26 @@ def chat_shards(
     max_tokens: int = 288,
     seed: int = 0,
     bar: Any = None,
+    topic: str = "chat",
 ) -> tuple[list[Path], list[Path]]:
     """(train shards, held-out shards) of the verifier's own chat answers with its hidden states:
-    `folder/chat-*.npz`, one per batch of `batch` conversations it writes itself
-    (`data.magpie_batch`: a user turn, then its answer), each answer a row from the position that
-    predicts its first token. Batch i is held out where i % HELD_OUT_EVERY == 0 (the first is,
+    `folder/{topic}-*.npz`, one per batch of `batch` conversations it writes itself
+    (`data.magpie_batch`: a user turn, then its answer; under the system prompt `TOPICS[topic]`),
+    each answer a row from the position that predicts its first token. Batch i is held out where i % HELD_OUT_EVERY == 0 (the first is,
     so a short run has an estimate too). Batches are written until the train ones hold `tokens`
     positions; existing shards are kept (a stopped run resumes)."""
     folder.mkdir(parents=True, exist_ok=True)
-    suffix = chat_turn_tokens(teacher.tokenizer)[1]
+    system = TOPICS[topic]
+    suffix = chat_turn_tokens(teacher.tokenizer, system)[1]
     train: list[Path] = []
     held: list[Path] = []
     have, i, empty = 0, 0, 0
     while have < tokens:
-        path = folder / f"chat-{i:05d}.npz"
+        path = folder / f"{topic}-{i:05d}.npz"
         if not path.exists():
             shard = magpie_batch(teacher.model, teacher.tokenizer, batch=batch, k=k,
                                  max_tokens=max_tokens, seed=1000 + seed * 100003 + i,
-                                 hidden=True)  # fmt: skip
+                                 hidden=True, system=system)  # fmt: skip
             save_rows(path, *_answer_rows(answers_only(shard, suffix)))
         with np.load(path) as z:
             n = int(z["length"].sum())
@@ -483,6 +495,7 @@ def distill_heads(
     learning_rate: float = 1e-3,
     top_k: int = 20,
     chat_fraction: float = CHAT_FRACTION,
+    code_share: float = 0.0,
     gen_batch: int = GEN_BATCH,
     max_tokens: int = 288,
     work_dir: str | Path | None = None,
@@ -500,12 +513,16 @@ def distill_heads(
     number of heads and vocabulary subset are the run's.
 
     chat_fraction: the share of `tokens` that are the verifier's own chat answers (conversations
-    of at most `max_tokens`, `gen_batch` written at once); the rest are documents. max_mb: the
+    of at most `max_tokens`, `gen_batch` written at once); the rest are documents. code_share:
+    the share of those answers written under a programming assistant's system prompt
+    (`TOPICS["code"]`). max_mb: the
     folder's size limit (None: none), met by quantizing the heads' matrices as little as fits
     (`save_heads`; 30 MB is what `Package.resources` may ship)."""
     output, t0 = Path(output), time.time()
     if not 0.0 <= chat_fraction <= 1.0:
         raise OndeviceError(f"--chat-fraction must be between 0 and 1, not {chat_fraction}.")
+    if not 0.0 <= code_share <= 1.0:
+        raise OndeviceError(f"--code-share must be between 0 and 1, not {code_share}.")
     work = work_folder(output, work_dir, resume)
     teacher = load_served(verifier)
     tcfg = teacher.config
@@ -519,13 +536,14 @@ def distill_heads(
         embed_bits=None, seed=seed, eval_every=eval_every, checkpoint_every=checkpoint_every,
         extra={"heads": kind, "num_heads": num_heads, "top_k": top_k,
                "data": sorted(map(str, data_files or [])), "chat_fraction": chat_fraction,
-               "gen_batch": gen_batch, "max_tokens": max_tokens,
+               "code_share": code_share, "gen_batch": gen_batch, "max_tokens": max_tokens,
                "init": str(Path(init).resolve()) if init is not None else None},
     )  # fmt: skip
     if resume:
         _check_resume(work, cfg)
     start = _start_heads(init, teacher.model, kind, num_heads, vocab)  # checked before the data
     chat_tokens = round(tokens * chat_fraction)
+    code_tokens = round(chat_tokens * code_share)
     train_pieces, held_pieces, used = [], [], []
     if tokens > chat_tokens:  # documents (--data files first) make up the rest
         train_pieces, held_pieces, used = _pieces(
@@ -533,7 +551,7 @@ def distill_heads(
         )
     paths = _hidden_states(
         teacher, work / "hidden", train_pieces, held_pieces, top_k, progress,
-        chat_tokens=chat_tokens, gen_batch=gen_batch, max_tokens=max_tokens, seed=seed,
+        chat_tokens=chat_tokens - code_tokens, code_tokens=code_tokens, gen_batch=gen_batch, max_tokens=max_tokens, seed=seed,
     )  # fmt: skip
     data_time = time.time() - t0
     model = teacher.model
@@ -611,6 +629,8 @@ def _recipe(
 ) -> dict[str, Any]:
     """What the heads were trained on and how, as heads.json records it."""
     sources = ["self-written chat answers"] if cfg.extra["chat_fraction"] else []
+    if sources and cfg.extra.get("code_share"):
+        sources.append(f"a share of {cfg.extra['code_share']} of them under TOPICS['code']")
     if documents:
         sources += (["--data"] if data_files else []) + ["site-packages .md/.rst/.txt/.py"]
     return {
@@ -685,7 +705,7 @@ def _train_loop(
 
 # what a resumed run may change: where its text comes from (more answers, other documents are
 # how heads get better); the heads themselves and their targets must stay as they were
-DATA_OPTIONS = ("data", "chat_fraction", "gen_batch", "max_tokens")
+DATA_OPTIONS = ("data", "chat_fraction", "code_share", "gen_batch", "max_tokens")
 RESUMED_FREELY = (*DATA_OPTIONS, "init")  # a resumed run starts from its checkpoint anyway
 
 
@@ -719,25 +739,30 @@ def _hidden_states(
     progress: bool,
     *,
     chat_tokens: int,
+    code_tokens: int,
     gen_batch: int,
     max_tokens: int,
     seed: int,
 ) -> tuple[list[Path], list[Path], list[Path], list[Path]]:
     """The verifier's hidden states and top-k targets, computed once into shards under `hidden`
-    (a rerun starts where the last stopped), with a progress bar: `chat_tokens` positions of its
-    own chat answers (`chat_shards`) and the documents' pieces. Returns (train shards, held
-    shards, the chat ones among them: train, held)."""
+    (a rerun starts where the last stopped), with a progress bar: `chat_tokens` and
+    `code_tokens` positions of its own answers (`chat_shards`, under the template's default
+    system prompt and under the coding one) and the documents' pieces. Returns (train shards,
+    held shards, the answers among them: train, held)."""
     from tqdm import tqdm
 
-    n_chat = chat_tokens + chat_tokens // (HELD_OUT_EVERY - 1)  # held batches too
+    n_chat = sum(n + n // (HELD_OUT_EVERY - 1) for n in (chat_tokens, code_tokens))  # held too
     n_tok = n_chat + sum(len(p) for p in train_pieces) + sum(len(p) for p in held_pieces)
     bar = tqdm(total=n_tok, unit="tok", desc="verifier states", disable=not progress,
                dynamic_ncols=True)  # fmt: skip
     chat_train: list[Path] = []
     chat_held: list[Path] = []
-    if chat_tokens:
-        chat_train, chat_held = chat_shards(teacher, hidden, chat_tokens, k=top_k, batch=gen_batch,
-                                            max_tokens=max_tokens, seed=seed, bar=bar)  # fmt: skip
+    for topic, n in (("chat", chat_tokens), ("code", code_tokens)):
+        if n:
+            train, held = chat_shards(teacher, hidden, n, k=top_k, batch=gen_batch,
+                                      max_tokens=max_tokens, seed=seed, bar=bar, topic=topic)  # fmt: skip
+            chat_train, chat_held = chat_train + train, chat_held + held
+    if chat_tokens or code_tokens:
         bar.n = min(bar.n, n_chat)  # the last batch may overshoot the estimate
     done = sum(len(p) for p in _done_pieces(hidden, "train", train_pieces))
     done += sum(len(p) for p in _done_pieces(hidden, "held", held_pieces))
