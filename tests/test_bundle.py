@@ -153,6 +153,36 @@ def test_mlx_lm_reads_both_models(bundle_dir: Path, pair: tuple[Path, Path]) -> 
 def test_mlpackage_runs_in_reference_executor(bundle_dir: Path) -> None:
     """The saved draft, run by the numpy executor through the functions the manifest lists,
     predicts like the bundle's MLX draft copy."""
+    _predicts_like_the_mlx_draft(bundle_dir)
+
+
+def test_a_draft_with_layers_left_out(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """`--draft-drop-layers`: the bundle's draft (MLX and Core ML alike) is the draft without
+    those layers, renumbered, and the manifest says which; a bad list is refused up front."""
+    import mlx.core as mx
+
+    from ondevice.models import load_model
+    from ondevice.proposers.layer_skip import LayerSkipView
+
+    out = tmp_path / "pruned.bundle"
+    assert _convert(*pair, out, "--draft-drop-layers", "1", "--acceptance-tokens", "0") == 0
+    b = open_bundle(out)
+    draft = b.manifest["draft"]
+    full = load_model(pair[1]).model
+    n = full.config.num_hidden_layers
+    assert draft["dropped_layers"] == [1] and draft["config"]["num_hidden_layers"] == n - 1
+    tokens = mx.array([[3, 10, 20, 30, 40, 7]])
+    want = LayerSkipView(full, [i for i in range(n) if i != 1])(tokens, None)
+    got = load_model(b.draft_mlx_dir).model(tokens, None)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
+    assert not np.allclose(np.array(got), np.array(full(tokens, None)), atol=1e-2)
+    _predicts_like_the_mlx_draft(out)
+    for bad in ("7,1", "x", ",".join(map(str, range(n)))):
+        assert _convert(*pair, tmp_path / "b", "--draft-drop-layers", bad) == 1
+        assert _leftovers(tmp_path, "b") == []
+
+
+def _predicts_like_the_mlx_draft(bundle_dir: Path) -> None:
     import mlx.core as mx
 
     from ondevice.models import load_model
@@ -619,3 +649,38 @@ def test_load_and_check_refuse_what_the_manifest_does_not_list(
     assert cli.main(["--check", str(b)]) == 1
     out = capsys.readouterr()
     assert named.strip("'") in out.out + out.err and "Traceback" not in out.err
+
+
+def test_the_catalog_pair_is_converted_without_its_dropped_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ensure_bundle`: a pair's `draft_drop_layers` reach the converter, and a bundle made
+    without them (or with others) is never the one reused."""
+    import dataclasses
+    import subprocess
+
+    from ondevice.convert import pair as pairs
+    from ondevice.sources import catalog, pull
+
+    cat = catalog.load_catalog()
+    shipped = cat.pair()
+    calls: list[list[str]] = []
+
+    def convert(cmd: list[str]) -> int:
+        calls.append(cmd)
+        out = Path(cmd[cmd.index("-o") + 1])
+        out.mkdir(parents=True)
+        (out / "manifest.json").write_text("{}")
+        return 0
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    monkeypatch.setattr(pull, "pull", lambda name: tmp_path / name)
+    monkeypatch.setattr(subprocess, "call", convert)
+    names = []
+    for drop in ((), (3, 17), (3, 17)):
+        cat.pairs[shipped.name] = dataclasses.replace(shipped, draft_drop_layers=drop)
+        monkeypatch.setattr(catalog, "load_catalog", lambda: cat)
+        names.append(Path(pairs.ensure_bundle()).name)
+    assert names[0] != names[1] == names[2]  # the second (3, 17) reuses the first's bundle
+    assert len(calls) == 2 and "--draft-drop-layers" not in calls[0]
+    assert calls[1][calls[1].index("--draft-drop-layers") + 1] == "3,17"

@@ -129,6 +129,9 @@ def test_valid_test_catalog(tmp_path: Path) -> None:
     folder = _valid()
     folder["pairs"]["p"] = {"verifier": "v", "draft": str(tmp_path)}
     assert _load(tmp_path, folder).pair().draft == tmp_path
+    pruned = _valid()
+    pruned["pairs"]["p"]["draft_drop_layers"] = [5, 2]
+    assert _load(tmp_path, pruned).pair().draft_drop_layers == (2, 5)
 
 
 PARTS = ("models", "v", "sources", 1, "parts")
@@ -173,6 +176,12 @@ BAD = [
     (_edit(("pairs", "p", "draft_model"), None, delete=True), r"pairs\.p needs exactly one"),
     (_edit(("pairs", "p", "draft_model"), "zz"), r"pairs\.p\.draft_model is 'zz', which is not"),
     (_edit(("pairs", "p", "verifier"), "o/v"), r"pairs\.p\.verifier is 'o/v', which is not"),
+    (_edit(("pairs", "p", "draft_drop_layers"), [1, -1]), r"pairs\.p\.draft_drop_layers must be"),
+    (_edit(("pairs", "p", "draft_drop_layers"), [1, 1]), r"pairs\.p\.draft_drop_layers repeats"),
+    (
+        _edit(("pairs", "p", "draft_drop_layers"), "1"),
+        r"pairs\.p\.draft_drop_layers must be a list",
+    ),
     (_edit(("pairs", "p"), "v"), r"pairs\.p must be an object"),
     (_edit(("pairs",), []), r'"pairs" must be an object'),
     (_edit(("default_pair",), "q"), r"default_pair 'q' is not among the pairs"),

@@ -84,6 +84,13 @@ def _add_draft_arguments(p: argparse.ArgumentParser) -> None:
         "%(default)s)",
     )
     p.add_argument(
+        "--draft-drop-layers",
+        metavar="I,J",
+        default="",
+        help="leave these decoder layers (indices) out of the draft: a cheaper draft step for "
+        "some acceptance (default: none)",
+    )
+    p.add_argument(
         "--draft-compress",
         choices=COMPRESSIONS,
         default="none",
@@ -252,10 +259,12 @@ def _save_mlx(loaded: Any, path: Path) -> None:
 def _describe(loaded: Any, source: str) -> dict[str, Any]:
     from ondevice.models.weights import quantization_config
 
+    dropped = getattr(loaded.model, "dropped_layers", None)  # `_drop_layers`
     return {
         "source": source,
         "config": loaded.model.config.to_hf_dict(),
         "quantization": quantization_config(loaded.model),
+        **({"dropped_layers": dropped} if dropped else {}),
     }
 
 
@@ -359,10 +368,38 @@ def _load_pair(args: argparse.Namespace, phases: Phases) -> tuple[Any, Any]:
     with phases(f"loading verifier {args.verifier}"):
         verifier = load_model(args.verifier, dtype=args.dtype, quantize=quantize)
     with phases(f"loading draft {args.draft}"):
-        draft = load_model(args.draft, dtype=args.dtype)
+        draft = _drop_layers(load_model(args.draft, dtype=args.dtype), args.draft_drop_layers)
     with phases("checking the pair (tokenizers, vocabulary, context)"):
         _check_pair(verifier, draft, args.context)
     return verifier, draft
+
+
+def _drop_layers(draft: Any, spec: str) -> Any:
+    """The loaded draft without the decoder layers `spec` names ("3,17"; "" keeps them all):
+    the kept layers' own modules, renumbered in order (`LayerSkipView`), which every later
+    phase writes and converts as the draft."""
+    import dataclasses
+
+    from ondevice.errors import BundleError
+    from ondevice.proposers.layer_skip import LayerSkipView
+
+    if not spec.strip():
+        return draft
+    n = draft.config.num_hidden_layers
+    try:
+        drop = {int(i) for i in spec.split(",")}
+    except ValueError:
+        raise BundleError(
+            f"--draft-drop-layers {spec!r}: give layer indices separated by commas, e.g. 3,17."
+        ) from None
+    if not drop <= set(range(n)) or len(drop) >= n:
+        raise BundleError(
+            f"--draft-drop-layers {spec!r}: the draft {draft.path} has layers 0-{n - 1}; leave "
+            "at least one of them in."
+        )
+    view = LayerSkipView(draft.model, [i for i in range(n) if i not in drop])
+    view.dropped_layers = sorted(drop)
+    return dataclasses.replace(draft, model=view, config=view.config)
 
 
 def _measure_acceptance(args: argparse.Namespace, tokenizer: Any, tmp: Path) -> dict | None:

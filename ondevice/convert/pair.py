@@ -40,6 +40,8 @@ def _bundle_key(cat: Any, pair: Any) -> str:
             parts.append(f"{name}={entry.sha256 if entry and entry.sha256 else '?'}")
     if pair.draft is not None:
         parts.append(f"draft={_draft_digest(pair.draft)}")
+    if pair.draft_drop_layers:
+        parts.append(f"drop={','.join(map(str, pair.draft_drop_layers))}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
 
 
@@ -85,6 +87,11 @@ def ensure_bundle(pair_name: str | None = None) -> str:
         [sys.executable, "-m", "ondevice.convert.cli"]
         + ["--verifier", str(verifier), "--draft", str(draft), "-o", str(bundle)]
         + ["--context", str(context)]
+        + (
+            ["--draft-drop-layers", drop]
+            if (drop := ",".join(map(str, pair.draft_drop_layers)))
+            else []
+        )
     )
     if code:
         if code == 130:

@@ -141,6 +141,9 @@ class Pair:
     draft: Path | None = None
     draft_model: str | None = None
     note: str = ""
+    # the draft's decoder layers left out when the pair is converted (a cheaper draft step:
+    # `ondevice-convert --draft-drop-layers`); indices of the draft model's layers
+    draft_drop_layers: tuple[int, ...] = ()
 
 
 @dataclass
@@ -342,4 +345,11 @@ def _pair(name: str, p: Any, models: dict[str, ModelEntry], where: str) -> Pair:
         draft = Path(folder).expanduser()
         if not draft.is_absolute():
             draft = Path(str(files("ondevice.resources").joinpath(folder)))
-    return Pair(name, verifier, draft, draft_model, f.text("note") or "")
+    drop = f.items("draft_drop_layers")
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in drop):
+        raise f.fail(
+            "draft_drop_layers", f"must be a list of layer indices (0 or more), got {drop!r}"
+        )
+    if len(set(drop)) != len(drop):
+        raise f.fail("draft_drop_layers", f"repeats a layer: {drop!r}")
+    return Pair(name, verifier, draft, draft_model, f.text("note") or "", tuple(sorted(drop)))
