@@ -92,9 +92,9 @@ CHAT_FRACTION = 0.75  # of the training tokens, the verifier's own answers (the 
 GEN_BATCH = 64  # conversations written at once (docs/distill.md, "Writing the answers faster")
 # The system prompts the self-written conversations are written under, by the shards' name: what
 # a user turn asks follows the system prompt (Magpie's task-specific system prompts, Xu et al.
-# 2024). Under the template's own default a coding model writes few coding questions (about a
-# quarter of its answer positions hold code; docs/distill.md, "eighth run"), so a share of the
-# answers (`code_share`) is written under a programming assistant's.
+# 2024). Under the template's own default a coding model writes few coding questions (a fifth
+# of its answers hold a code block; docs/distill.md, "eighth run"), so a share of the answers
+# (`code_share`) is written under a programming assistant's.
 TOPICS: dict[str, str | None] = {
     "chat": None,
     "code": "You are a programming assistant. The user asks you to write, explain, fix or "
