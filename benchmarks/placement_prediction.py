@@ -82,10 +82,10 @@ class Draft:
 DRAFTS = (
     Draft("0.5B (today's)", 24, None, FULL_ALPHA),
     Draft("0.5B, head cut to 32768 ids", 24, 32768, round(FULL_ALPHA * IN_SUBSET, 3)),
-    # the default since session 28: layers 4 and 9 left out at conversion, teacher-forced greedy
-    # agreement 0.750 against the full draft's 0.790 on the same Spec-Bench dev answers
+    # layers 4 and 9 left out at conversion (`--draft-drop-layers 4,9`, session 28): teacher-forced
+    # greedy agreement 0.750 against the full draft's 0.790 on the same Spec-Bench dev answers
     Draft(
-        "0.5B, 22 of 24 layers (4, 9 out: the default)",
+        "0.5B, 22 of 24 layers (4, 9 out)",
         22,
         None,
         round(FULL_ALPHA * 0.750 / 0.790, 3),

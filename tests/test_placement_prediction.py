@@ -32,19 +32,22 @@ def test_the_verifiers_bytes_are_the_architectures_parameters():
 @pytest.mark.parametrize("mac", MACS, ids=lambda m: m.name)
 def test_a_cheaper_draft_is_never_predicted_slower_at_the_same_acceptance(mac):
     _, verify = mac.verifier()
-    full, cut, l18, l12 = (mac.draft_profiles(d) for d in pp.DRAFTS)
-    assert [float(p["mlx"](1)) for p in (full, l18, l12)] == sorted(
-        [float(p["mlx"](1)) for p in (full, l18, l12)], reverse=True
+    full, cut, l22, l18, l12 = (mac.draft_profiles(d) for d in pp.DRAFTS)
+    assert [float(p["mlx"](1)) for p in (full, l22, l18, l12)] == sorted(
+        [float(p["mlx"](1)) for p in (full, l22, l18, l12)], reverse=True
     )
     assert float(cut["coreml"](1)) < float(full["coreml"](1)) == pytest.approx(mac.ane_ms / 1000)
     for alpha in (0.3, 0.545, 0.76, 0.9):
         for backend in ("mlx", "coreml"):
             rate = {
                 name: pp.best_per_backend(verify, drafts, alpha)[backend].tokens_per_second
-                for name, drafts in (("full", full), ("cut", cut), ("18", l18), ("12", l12))
-            }
+                for name, drafts in (
+                    ("full", full), ("cut", cut), ("22", l22), ("18", l18), ("12", l12)
+                )
+            }  # fmt: skip
             assert rate["cut"] >= rate["full"] - 1e-9, (alpha, backend, rate)
-            assert rate["18"] >= rate["full"] - 1e-9, (alpha, backend, rate)
+            assert rate["22"] >= rate["full"] - 1e-9, (alpha, backend, rate)
+            assert rate["18"] >= rate["22"] - 1e-9, (alpha, backend, rate)
             assert rate["12"] >= rate["18"] - 1e-9, (alpha, backend, rate)
 
 
