@@ -290,8 +290,8 @@ def chat_shards(
     """(train shards, held-out shards) of the verifier's own chat answers with its hidden states:
     `folder/{topic}-*.npz`, one per batch of `batch` conversations it writes itself
     (`data.magpie_batch`: a user turn, then its answer; under the system prompt `TOPICS[topic]`),
-    each answer a row from the position that predicts its first token. Batch i is held out where i % HELD_OUT_EVERY == 0 (the first is,
-    so a short run has an estimate too). Batches are written until the train ones hold `tokens`
+    each answer a row from the position that predicts its first token. Batch i is held out
+    where i % HELD_OUT_EVERY == 0 (the first is, so a short run has an estimate too). Batches are written until the train ones hold `tokens`
     positions; existing shards are kept (a stopped run resumes)."""
     folder.mkdir(parents=True, exist_ok=True)
     system = TOPICS[topic]
@@ -515,8 +515,7 @@ def distill_heads(
     chat_fraction: the share of `tokens` that are the verifier's own chat answers (conversations
     of at most `max_tokens`, `gen_batch` written at once); the rest are documents. code_share:
     the share of those answers written under a programming assistant's system prompt
-    (`TOPICS["code"]`). max_mb: the
-    folder's size limit (None: none), met by quantizing the heads' matrices as little as fits
+    (`TOPICS["code"]`). max_mb: the folder's size limit (None: none), met by quantizing the heads' matrices as little as fits
     (`save_heads`; 30 MB is what `Package.resources` may ship)."""
     output, t0 = Path(output), time.time()
     if not 0.0 <= chat_fraction <= 1.0:
@@ -551,7 +550,8 @@ def distill_heads(
         )
     paths = _hidden_states(
         teacher, work / "hidden", train_pieces, held_pieces, top_k, progress,
-        chat_tokens=chat_tokens - code_tokens, code_tokens=code_tokens, gen_batch=gen_batch, max_tokens=max_tokens, seed=seed,
+        chat_tokens=chat_tokens - code_tokens, code_tokens=code_tokens, gen_batch=gen_batch,
+        max_tokens=max_tokens, seed=seed,
     )  # fmt: skip
     data_time = time.time() - t0
     model = teacher.model
