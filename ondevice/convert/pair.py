@@ -83,15 +83,12 @@ def ensure_bundle(pair_name: str | None = None) -> str:
     # the bundle; in one process, before the conversion freed its copies, the peak was 16 GB.
     import subprocess
 
+    drop = ",".join(map(str, pair.draft_drop_layers))
     code = subprocess.call(
         [sys.executable, "-m", "ondevice.convert.cli"]
         + ["--verifier", str(verifier), "--draft", str(draft), "-o", str(bundle)]
         + ["--context", str(context)]
-        + (
-            ["--draft-drop-layers", drop]
-            if (drop := ",".join(map(str, pair.draft_drop_layers)))
-            else []
-        )
+        + (["--draft-drop-layers", drop] if drop else [])
     )
     if code:
         if code == 130:
