@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ondevice.distill.data import (
+    HELD_OUT_EVERY,
     Shard,
     answers_only,
     chat_turn_tokens,
@@ -43,8 +44,6 @@ __all__ = [
     "draft_vocab_size",
     "parse_layers",
 ]
-
-HELD_OUT_EVERY = 20  # every 20th conversation is held out for the acceptance estimate
 
 
 def parse_layers(spec: str | int, n_teacher: int) -> list[int]:

@@ -32,6 +32,9 @@ from ondevice.models import Tokenizer
 from ondevice.models.transformer import Model
 from ondevice.rules.sampling import SamplingParams, probabilities, sample
 
+# every HELD_OUT_EVERY-th conversation (or batch of them) and about one document token in as many
+# are held out for the acceptance estimate
+HELD_OUT_EVERY = 20
 _MARK = "\u2063MAGPIE\u2063"  # a string no template contains, to split a rendered turn
 
 

@@ -46,6 +46,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from ondevice.distill.data import (
+    HELD_OUT_EVERY,
     Shard,
     answers_only,
     chat_turn_tokens,
@@ -83,7 +84,6 @@ from ondevice.proposers.medusa import (
 )
 from ondevice.runtime.kernel import load_served
 
-HELD_OUT_EVERY = 20  # about one token in 20 is held out (whole documents) to estimate acceptance
 SUFFIXES = (".md", ".rst", ".txt", ".py")
 MAX_FILE_BYTES = 200_000  # long generated files (tables, vendored data) say little per byte
 ROWS_PER_SHARD = 32
