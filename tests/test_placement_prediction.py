@@ -33,9 +33,8 @@ def test_the_verifiers_bytes_are_the_architectures_parameters():
 def test_a_cheaper_draft_is_never_predicted_slower_at_the_same_acceptance(mac):
     _, verify = mac.verifier()
     full, cut, l22, l18, l12 = (mac.draft_profiles(d) for d in pp.DRAFTS)
-    assert [float(p["mlx"](1)) for p in (full, l22, l18, l12)] == sorted(
-        [float(p["mlx"](1)) for p in (full, l22, l18, l12)], reverse=True
-    )
+    steps = [float(p["mlx"](1)) for p in (full, l22, l18, l12)]
+    assert steps == sorted(steps, reverse=True)
     assert float(cut["coreml"](1)) < float(full["coreml"](1)) == pytest.approx(mac.ane_ms / 1000)
     for alpha in (0.3, 0.545, 0.76, 0.9):
         for backend in ("mlx", "coreml"):

@@ -291,8 +291,9 @@ def chat_shards(
     `folder/{topic}-*.npz`, one per batch of `batch` conversations it writes itself
     (`data.magpie_batch`: a user turn, then its answer; under the system prompt `TOPICS[topic]`),
     each answer a row from the position that predicts its first token. Batch i is held out
-    where i % HELD_OUT_EVERY == 0 (the first is, so a short run has an estimate too). Batches are written until the train ones hold `tokens`
-    positions; existing shards are kept (a stopped run resumes)."""
+    where i % HELD_OUT_EVERY == 0 (the first is, so a short run has an estimate too). Batches
+    are written until the train ones hold `tokens` positions; existing shards are kept (a
+    stopped run resumes)."""
     folder.mkdir(parents=True, exist_ok=True)
     system = TOPICS[topic]
     suffix = chat_turn_tokens(teacher.tokenizer, system)[1]
@@ -515,8 +516,9 @@ def distill_heads(
     chat_fraction: the share of `tokens` that are the verifier's own chat answers (conversations
     of at most `max_tokens`, `gen_batch` written at once); the rest are documents. code_share:
     the share of those answers written under a programming assistant's system prompt
-    (`TOPICS["code"]`). max_mb: the folder's size limit (None: none), met by quantizing the heads' matrices as little as fits
-    (`save_heads`; 30 MB is what `Package.resources` may ship)."""
+    (`TOPICS["code"]`). max_mb: the folder's size limit (None: none), met by quantizing the
+    heads' matrices as little as fits (`save_heads`; 30 MB is what `Package.resources` may
+    ship)."""
     output, t0 = Path(output), time.time()
     if not 0.0 <= chat_fraction <= 1.0:
         raise OndeviceError(f"--chat-fraction must be between 0 and 1, not {chat_fraction}.")
