@@ -285,6 +285,40 @@ def test_auto_without_a_draft_takes_self_only_with_a_cached_skip_set_that_pays(
     )
 
 
+def test_self_asked_for_says_once_when_its_skip_set_predicts_no_gain(verifier, capsys):
+    """Asked for by name, `self` runs whatever its skip set predicts (the output is exact), but
+    a set predicting no gain over plain decoding is told once a process, with what else to try;
+    one that pays is not."""
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+
+    def run() -> list[int]:
+        dec = make_decoder(MLXEngine(verifier), None, SamplingParams(), Speculation(method="self"))
+        return [t for r in dec.run(prompt, 12) for t in r.tokens]
+
+    plain = make_decoder(MLXEngine(verifier), None, SamplingParams())
+    want = [t for r in plain.run(prompt, 12) for t in r.tokens]
+    layer_skip._NOTED.clear()
+    _cache_skip_set(verifier, 0.9)
+    capsys.readouterr()
+    assert run() == want
+    told = capsys.readouterr().err
+    assert "method 'self' is predicted at 0.90x plain decoding" in told
+    assert "ONDEVICE_SELF_READING=int8" in told and "'medusa'" in told
+    assert run() == want and "predicted" not in capsys.readouterr().err  # once a process
+    # a set whose draft already reads int8 copies names no other reading
+    layer_skip._NOTED.clear()
+    skip = layer_skip.SkipSet.from_json(json.loads(layer_skip.skip_set_path(verifier).read_text()))
+    path = layer_skip.skip_set_path(verifier)
+    pass_costs.save_profile(path, {**skip.to_json(), "reading": "int8"})
+    layer_skip._MEMORY.clear()
+    assert run() == want
+    told = capsys.readouterr().err
+    assert "predicted at 0.90x" in told and "ONDEVICE_SELF_READING" not in told
+    layer_skip._NOTED.clear()
+    _cache_skip_set(verifier, 1.3)
+    assert run() == want and "predicted" not in capsys.readouterr().err
+
+
 def test_auto_builds_every_registered_candidate_and_says_why_it_left_one_out(verifier):
     def missing(res, spec):
         raise Unavailable("no heads trained for this verifier")

@@ -550,6 +550,7 @@ class SelfDraftProposer:
             self.skip_set = load_skip_set(
                 self.model, prompt, self.verify, cache=self.cache, reading=reading
             )
+        _note_no_gain(self.model, self.skip_set, self.cache)
         keep = self.skip_set.keep
         # made once per model and layers kept (each generation builds its proposer anew, and
         # int8 copies of a 1.5B's kept layers took a second and a byte a weight every time)
@@ -598,6 +599,31 @@ class SelfDraftProposer:
     def observe(self, seq: list[int], tree: TokenTree, verdict: Verification) -> None:
         assert self.draft is not None
         self.draft.observe(seq, tree, verdict)
+
+
+def _note_no_gain(model: Model, found: SkipSet, cache: bool) -> None:
+    """One line, once per model and reading in a process, where `self` was asked for and its
+    skip set predicts no gain over plain decoding: the output stays exact, only slower, and on
+    a CPU whose one kernel reads the verifier's weights for both, a draft of the kept layers
+    costs nearly a verifier pass (docs/benchmarks.md, "Issues 26 and 30, session 30")."""
+    key = (weights_fingerprint(model), found.reading, cache)
+    if not cache or found.speedup > 1.0 or key in _NOTED:
+        return
+    _NOTED.add(key)
+    other = (
+        f"; {READING_ENV}=int8 reads int8 copies of the kept layers instead (more memory)"
+        if found.reading != "int8"
+        else ""
+    )
+    print(
+        f"ondevice: method 'self' is predicted at {found.speedup:.2f}x plain decoding on this "
+        f"machine ({found.describe()}){other}; method 'medusa' or 'auto' may pay",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+_NOTED: set[tuple[str, str, bool]] = set()  # (fingerprint, reading, profiled) told of no gain
 
 
 def build(res: Resources, spec: Speculation) -> SelfDraftProposer:
