@@ -606,8 +606,10 @@ def _note_no_gain(model: Model, found: SkipSet, cache: bool) -> None:
     skip set predicts no gain over plain decoding: the output stays exact, only slower, and on
     a CPU whose one kernel reads the verifier's weights for both, a draft of the kept layers
     costs nearly a verifier pass (docs/benchmarks.md, "Issues 26 and 30, session 30")."""
-    key = (weights_fingerprint(model), found.reading, cache)
-    if not cache or found.speedup > 1.0 or key in _NOTED:
+    if not cache or found.speedup > 1.0:
+        return
+    key = (weights_fingerprint(model), found.reading)
+    if key in _NOTED:
         return
     _NOTED.add(key)
     other = (
@@ -623,7 +625,7 @@ def _note_no_gain(model: Model, found: SkipSet, cache: bool) -> None:
     )
 
 
-_NOTED: set[tuple[str, str, bool]] = set()  # (fingerprint, reading, profiled) told of no gain
+_NOTED: set[tuple[str, str]] = set()  # (fingerprint, reading) told of no gain
 
 
 def build(res: Resources, spec: Speculation) -> SelfDraftProposer:
