@@ -146,6 +146,33 @@ def test_a_stale_profile_is_measured_at_load_never_in_a_generation(home, tmp_pat
     assert "measuring the pass costs in" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("method", ["tree", "auto"])
+def test_a_stale_mark_never_changes_a_seeded_answer(home, tmp_path, method):
+    """A seeded sample gives the same tokens every time on a machine: trees are sized by the
+    costs as measured, never by a live ratio the clock wrote into the file between two
+    generations (the prompt cache's seeded tree test failed once this way when the machine
+    was busy: one generation's passes marked the tiny pair's shared profile stale, and the
+    next was sized by a clock-made scale)."""
+    import ondevice
+
+    v = tiny.write_endless_model(tmp_path / "v", seed=1)
+    gen = ondevice.load(v, tiny.perturbed_copy(v, tmp_path / "d", noise=0.3), draft_backend="mlx")
+    prompt = [5, 6, 7, 9, 11, 5, 6, 8]
+    kw = {"max_tokens": 24, "method": method, "temperature": 0.8, "seed": 11}
+    first = gen.generate(prompt, **kw)
+    prof = load_profile(gen.verifier, measure_if_missing=False)
+    assert prof is not None and prof.measured and not prof.stale
+    for ratio in (50.0, 0.02):  # passes far slower (bigger trees pay), far faster (smaller)
+        stale = {**prof.to_json(), "stale": True, "strikes": 2, "live_ratio": ratio}
+        pass_costs.save_profile(prof.path, stale)
+        assert load_profile(gen.verifier)(4) == pytest.approx(ratio * prof(4))
+        again = gen.generate(prompt, **kw)
+        assert again.tokens == first.tokens
+        # an unseeded sample promises no tokens: it is sized for what passes take now
+        unseeded = {**kw, "seed": None}
+        assert len(gen.generate(prompt, **unseeded).tokens) == kw["max_tokens"]
+
+
 def test_a_profile_written_by_hand_is_never_judged(home):
     eng = TableEngine.cycle()
     path = profile_path(device_name(), engine_key(eng))

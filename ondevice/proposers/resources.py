@@ -104,11 +104,19 @@ class Calibrations:
         without a seed, which promises no particular tokens), else a fresh one (a seeded
         sample, or greedy decoding whose near ties may fall by the pass's size, gives the
         same tokens every time)."""
-        carries = batch_invariant(verifier) if params.greedy else seed is None
-        if not carries:
+        if reproducible(verifier, params, seed):
             return Calibrations()
         key = (params.greedy, params.temperature, params.top_p, params.top_k, params.min_p)
         return self._by_sampling.setdefault(key, Calibrations())
+
+
+def reproducible(verifier: Engine, params: SamplingParams, seed: int | None) -> bool:
+    """Whether a generation must give the same tokens every time it is asked: a seeded sample,
+    or greedy decoding whose near ties may fall by the pass's size (a verifier that is not
+    batch-invariant). Such a generation sizes its proposals by nothing that earlier
+    generations or the clock taught: fresh calibrations, and the pass costs as measured (a
+    stale profile's live ratio, written by the clock, unapplied)."""
+    return seed is not None if not params.greedy else not batch_invariant(verifier)
 
 
 @dataclass
@@ -149,13 +157,16 @@ class Resources:
         """The verifier wrapped for trees, the draft's state, the token chooser (its noise
         keyed by `seed`), (with `profile`) the cached pass costs of both, the heads folder
         given, if any, and the calibrations this generation starts from (of the pair given,
-        where `Calibrations.for_generation` allows; else the prior)."""
+        where `Calibrations.for_generation` allows; else the prior). A `reproducible`
+        generation reads the costs as measured."""
         from ondevice.proposers.draft_tree import DraftState
 
         verifier = tree_engine(verifier)
         # measured together where missing: a slow spell moves both alike (`measure_together`)
         engines = [verifier] if draft is None else [verifier, draft]
         costs = load_profiles(engines) if profile else [None] * len(engines)
+        if reproducible(verifier, params, seed):
+            costs = [c and c.as_measured() for c in costs]
         vcost, dcost = costs[0], (costs[1] if draft is not None else None)
         learned = (calibrations or Calibrations()).for_generation(verifier, params, seed)
         state = None

@@ -7,7 +7,9 @@ and model, cached as JSON under `cache_dir()/profiles`, and proposers size their
 
 Sizes chosen from a cached profile depend only on that file, on accepted counts and on the
 context (a tree decoder prices each round at the committed sequence's length, `CostProfile.at`),
-never on the clock during generation, so a seed still gives the same tokens on a given machine.
+never on the clock during generation. A generation that must give the same tokens every time (a
+seeded sample: `proposers.resources.reproducible`) reads the costs as measured, without a stale
+mark's scaling (below), which the clock wrote; so a seed gives the same tokens on a machine.
 
 Identity. A profile is named and checked by what determines the cost: the device (processor,
 MLX's device, the BLAS that serves MLX's CPU products and its threads, `device_name`) and the
@@ -106,6 +108,10 @@ class CostProfile:
     def scale(self) -> float:
         """What the costs are multiplied by: the live ratio of a stale profile, else 1."""
         return self.live_ratio if self.stale and self.live_ratio > 0 else 1.0
+
+    def as_measured(self) -> CostProfile:
+        """This profile with its costs as measured (a stale mark's scaling not applied)."""
+        return replace(self, stale=False) if self.stale else self
 
     def __call__(self, n: int | np.ndarray) -> np.ndarray | float:
         """Estimated cost of n tokens now: the measured cost times `scale`."""
