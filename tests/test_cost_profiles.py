@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -171,6 +172,74 @@ def test_a_stale_mark_never_changes_a_seeded_answer(home, tmp_path, method):
         # an unseeded sample promises no tokens: it is sized for what passes take now
         unseeded = {**kw, "seed": None}
         assert len(gen.generate(prompt, **unseeded).tokens) == kw["max_tokens"]
+
+
+def test_a_profile_times_branched_tree_passes_where_the_engine_has_them(home, tmp_path):
+    """`CostProfile.branched`: tree passes in two branches are timed beside causal ones (what
+    `kernel._path_layout` adds for branched rows is priced); an engine without tree passes
+    prices them as causal ones."""
+    from ondevice.runtime.engines import MLXTreeEngine
+
+    model = load_model(tiny.write_model(tmp_path / "v", seed=1)).model
+    shapes = []
+    feed_masked = MLXTreeEngine.feed_masked
+
+    def spy(self, tokens, positions, visible, **kw):
+        own = np.asarray(visible)[:, -len(tokens) :]
+        shapes.append((len(tokens), list(positions), own.sum(1).tolist()))
+        return feed_masked(self, tokens, positions, visible, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MLXTreeEngine, "feed_masked", spy)
+        prof = load_profile(MLXEngine(model), sizes=(1, 2, 4, 8))
+    assert prof.tree_sizes == [4, 8] and len(prof.tree_seconds) == 2
+    # four tokens: a path of two and a branch of two below the first, at depths 0, 1, 1, 2
+    n, positions, seen = shapes[0]
+    assert n == 4 and np.diff(positions).tolist() == [1, 0, 1] and seen == [1, 2, 2, 3]
+    on_disk = load_profile(MLXEngine(model), measure_if_missing=False)
+    assert on_disk.tree_seconds == prof.tree_seconds  # cached with the rest
+    for k in (2, 4, 6, 8, 12):
+        assert prof.branched(k) >= prof(k)
+    assert prof.branched(1) == prof(1)
+    stale = replace(prof, stale=True, live_ratio=3.0)
+    assert stale.branched(8) == pytest.approx(3.0 * prof.branched(8))
+    assert stale.as_measured().branched(8) == prof.branched(8)
+    table = load_profile(TableEngine.cycle(), sizes=(1, 2, 4))
+    assert table.tree_sizes == [] and table.branched(4) == table(4)
+
+
+def test_a_draft_expanding_several_nodes_is_charged_a_branched_pass():
+    from ondevice.proposers.draft_tree import DraftState
+    from ondevice.rules.token_tree import TokenTree
+
+    cost = CostProfile([1, 4], [1.0, 1.3], tree_sizes=[4], tree_seconds=[2.0])
+    state = DraftState(TreeTableEngine.cycle(), TreeTableEngine.cycle().vocab_size, cost)
+    state.reset([5, 6, 7])
+    state.sync([5, 6, 7])
+    tree = TokenTree.root(7)
+    one = tree.add(0, 8)
+    state.work = 0.0
+    state.expand(tree, [one])
+    assert state.work == pytest.approx(cost(1))
+    kids = [tree.add(one, t) for t in (2, 3, 4, 9)]
+    state.expand(tree, kids)
+    assert state.work == pytest.approx(cost(1) + 2.0)
+
+
+def test_a_layer_skipped_draft_costs_its_share_of_every_measured_pass():
+    """`layer_skip.scaled_profile`: the long context's and the branched passes' costs scale
+    too (left unscaled, the long context's growth over a scaled short one priced a self
+    draft's steps after a long prompt at several times their share)."""
+    verify = CostProfile(
+        [1, 4, 8], [1.0, 1.2, 1.4], context=256, long_context=1024, long_sizes=[1, 4, 8],
+        long_seconds=[1.1, 1.4, 1.7], tree_sizes=[4, 8], tree_seconds=[1.3, 1.6],
+    )  # fmt: skip
+    draft = layer_skip.scaled_profile(verify, 0.5)
+    for at in (0, 600, 1024, 2000):
+        v, d = replace(verify, at=at), replace(draft, at=at)
+        for n in (1, 4, 6, 8):
+            assert d(n) == pytest.approx(0.5 * v(n))
+            assert d.branched(n) == pytest.approx(0.5 * v.branched(n))
 
 
 def test_a_profile_written_by_hand_is_never_judged(home):

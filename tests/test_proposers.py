@@ -309,6 +309,41 @@ def test_auto_settles_on_the_best_tokens_per_second():
     assert auto.score(1) > auto.score(0)
 
 
+class _Branched(_Fixed):
+    """`_Fixed`'s chain, its last node moved to a second branch below the first."""
+
+    def propose(self, seq, max_depth, noise):
+        t = super().propose(seq, max_depth, noise)
+        branched = TokenTree.root(seq[-1])
+        branched.add_path(range(self.n - 1))
+        branched.add(1, self.n)
+        assert len(branched) == len(t)
+        return branched
+
+
+def test_auto_prices_a_branched_tree_above_a_chain_of_its_size():
+    """A tree pass whose rows branch costs more than a causal pass over as many tokens (the
+    profile measures both, `CostProfile.branched`); priced alike, auto kept trees where a chain
+    of the same size and yield was faster by the clock (docs/benchmarks.md, "Session 31")."""
+    cost = CostProfile([1, 4, 8], [1.0, 1.2, 1.4], tree_sizes=[4, 8], tree_seconds=[1.5, 1.9])
+    assert cost.branched(1) == cost(1) and cost.branched(8) == pytest.approx(1.9)
+    assert cost(7) < cost.branched(7) < cost.branched(8)
+    chain, tree = _Fixed("chain", 6, 3), _Branched("tree", 6, 3)  # 4 tokens a round each
+    auto = AutoProposer([tree, chain], cost, explore=2, period=10)
+    auto.reset([1])
+    _drive(auto, 60)
+    assert chain.calls > 2 * tree.calls  # the tree: explored, then only re-checked
+    assert auto.seconds[0] == pytest.approx(cost.branched(7))
+    assert auto.seconds[1] == pytest.approx(cost(7))
+    # where the profile measured no excess, the two tie and the first tried keeps its rounds
+    flat = CostProfile([1, 4, 8], [1.0, 1.2, 1.4], tree_sizes=[4, 8], tree_seconds=[1.2, 1.4])
+    chain, tree = _Fixed("chain", 6, 3), _Branched("tree", 6, 3)
+    auto = AutoProposer([tree, chain], flat, explore=2, period=10)
+    auto.reset([1])
+    _drive(auto, 60)
+    assert tree.calls > 2 * chain.calls
+
+
 def test_auto_falls_back_to_plain_steps_when_nothing_pays():
     steep = CostProfile([1, 2], [1.0, 2.0])  # every verified token costs a full pass
     weak = _Fixed("tree", 6, 1)  # 2 tokens per pass at cost 7

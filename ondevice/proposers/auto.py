@@ -21,7 +21,7 @@ from ondevice.proposers.draft_tree import DraftState, build_tree
 from ondevice.proposers.resources import Resources, Speculation
 from ondevice.rules.noise import PositionNoise
 from ondevice.rules.token_tree import TokenTree
-from ondevice.runtime.pass_costs import CostProfile
+from ondevice.runtime.pass_costs import CostProfile, pass_cost
 
 EXPLORE_SHARE = 0.02  # of a generation's time at the best known rate that tries may lose
 TIE = 1e-9  # relative: scores this close count as equal (rounding in the averages)
@@ -313,7 +313,7 @@ class AutoProposer:
                 p.observe(seq, tree, verdict)
         path = verdict.path
         recheck = self.tried[i] >= self.explore and i != self._best  # a loser's one round
-        secs = float(self.verify_cost(len(tree))) + self._draft_work() - self._work
+        secs = float(pass_cost(self.verify_cost, tree)) + self._draft_work() - self._work
         self.committed += len(path) + 1
         if self._ref > 0:  # a try: what it lost against the best known rate (a gain does not
             # fund more tries: against a fast best, every try of another is a loss)

@@ -27,6 +27,7 @@ from ondevice.rules.token_tree import CHAIN_4, TokenTree, check_shape
 
 if TYPE_CHECKING:
     from ondevice.proposers.resources import Resources, Speculation
+    from ondevice.runtime.pass_costs import CostProfile
 
 
 # -- the draft model's cache ----------------------------------------------------------------------
@@ -50,7 +51,7 @@ class DraftState:
         self,
         engine: Engine,
         vocab: int,
-        pass_cost: Callable[[int], float] | None = None,
+        pass_cost: CostProfile | None = None,
         calibrations: Calibrations | None = None,
     ):
         self.engine = engine
@@ -93,9 +94,9 @@ class DraftState:
         """The engine's cache already holds `prefix` (restored by the prompt cache)."""
         self.tokens, self.slots, self.last = [int(t) for t in prefix], [], None
 
-    def _count(self, n: int) -> None:
+    def _count(self, n: int, branched: bool = False) -> None:
         if self.pass_cost is not None:
-            self.work += self.pass_cost(n)
+            self.work += self.pass_cost.branched(n) if branched else self.pass_cost(n)
 
     def feed(self, tokens: Sequence[int]) -> np.ndarray:
         """Append `tokens`; logits (len, V) after each."""
@@ -153,7 +154,7 @@ class DraftState:
                 visible[i, slot_of[a]] = True  # KeyError: an ancestor was never expanded
         positions = np.array([base - 1 + tree.depths[n] for n in nodes], dtype=np.int32)
         logits = self.engine.feed_masked([tree.tokens[n] for n in nodes], positions, visible)
-        self._count(len(nodes))
+        self._count(len(nodes), branched=len(nodes) > 1)  # several nodes: each its own path
         self.slots.extend(nodes)
         return align(np.atleast_2d(logits), self.vocab)
 
@@ -457,6 +458,6 @@ def build_tree(res: Resources, spec: Speculation) -> DraftTreeProposer:
     return DraftTreeProposer(
         res.draft, res.vocab, res.chooser, mode="dynamic",
         depth=spec.num_draft_tokens or LONGEST_DRAFT, topk=topk,
-        budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_pass,
+        budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_expand,
         rate=cost_rate(res.verify_cost, fixed),
     )  # fmt: skip

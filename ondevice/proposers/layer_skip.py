@@ -512,7 +512,13 @@ class SharedCacheState(DraftState):
 
 def scaled_profile(verify: CostProfile, fraction: float) -> CostProfile:
     """A draft pass's cost: `fraction` of the verifier's for the same number of tokens."""
-    return replace(verify, seconds=[s * fraction for s in verify.seconds], model="")
+    return replace(
+        verify,
+        seconds=[s * fraction for s in verify.seconds],
+        long_seconds=[s * fraction for s in verify.long_seconds],
+        tree_seconds=[s * fraction for s in verify.tree_seconds],
+        model="",
+    )
 
 
 class SelfDraftProposer:

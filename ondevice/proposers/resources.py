@@ -187,3 +187,8 @@ class Resources:
     def draft_pass(self, n: int) -> float:
         """Estimated seconds of a draft pass over n tokens (0 unprofiled)."""
         return float(self.draft_cost(n)) if self.draft_cost else 0.0
+
+    def draft_expand(self, n: int) -> float:
+        """Estimated seconds of a draft pass expanding n tree nodes at once, each on its own
+        path (`CostProfile.branched`; 0 unprofiled)."""
+        return float(self.draft_cost.branched(n)) if self.draft_cost else 0.0

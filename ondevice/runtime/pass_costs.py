@@ -50,7 +50,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -58,6 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from ondevice.rules.engine import Engine
+from ondevice.rules.token_tree import TokenTree
 
 # Small sizes finely (on a CPU the choice between 1, 2 and 3 drafts hinges on them), large ones
 # coarsely (only a GPU, where a pass costs about the same up to dozens of tokens, reaches them).
@@ -69,8 +70,17 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 LONG_CONTEXT = 1024
 LONG_SIZES = (1, 4, 8, 16)
 LONG_REPEATS = 4
-# 2: the engine's key names the kernel serving its products; 3: costs at a long context too
-FORMAT = 3  # measured, strikes
+# Sizes a tree pass whose rows branch is timed at too (`CostProfile.branched`): attention lays
+# each branched row's keys out as a pass over its path would (`kernel._path_layout`, which
+# keeps rows batch-invariant), work a causal pass does not do. Measured on the default pair
+# (Zen 4, docs/benchmarks.md, "Session 31"), a pass with two branches cost 6-12% more than a
+# causal pass of 8-16 tokens for the verifier and 10-20% more for the draft, so trees priced
+# as causal passes bought branches that did not pay and `auto` preferred trees to chains
+# where the clock said otherwise.
+TREE_SIZES = (4, 8, 16)
+# 2: the engine's key names the kernel serving its products; 3: costs at a long context too;
+# 4: branched tree passes too
+FORMAT = 4  # measured, strikes
 # live passes this much slower or faster than the profile: a strike (not less: other work on a
 # shared machine moves passes by some tens of percent, and a profile re-measured on each such
 # swing would cost a measurement in the middle of someone's requests)
@@ -99,6 +109,10 @@ class CostProfile:
     long_context: int = 0
     long_sizes: list[int] = field(default_factory=list)
     long_seconds: list[float] = field(default_factory=list)
+    # tree passes of `tree_sizes` tokens in two branches, at `context` (empty: not measured,
+    # an engine without tree passes; `branched` prices them as causal ones then)
+    tree_sizes: list[int] = field(default_factory=list)
+    tree_seconds: list[float] = field(default_factory=list)
     path: Path | None = field(default=None, compare=False, repr=False)  # the file it came from
     # the context the costs are asked for now (a tree decoder sets it each round: the committed
     # sequence's length); 0 or up to `context`: the costs as measured at `context`
@@ -116,6 +130,27 @@ class CostProfile:
     def __call__(self, n: int | np.ndarray) -> np.ndarray | float:
         """Estimated cost of n tokens now: the measured cost times `scale`."""
         return self.measured_cost(n) * self.scale
+
+    def branched(self, n: int | np.ndarray) -> np.ndarray | float:
+        """Estimated cost of a tree pass over n tokens whose rows branch (a tree that is not a
+        path; a draft expanding several frontier nodes at once): the causal cost plus what
+        such a pass measured beyond it, from nothing at one token (the module's
+        `TREE_SIZES`)."""
+        n_arr = np.asarray(n, np.float64)
+        out = np.asarray(self.measured_cost(n_arr), np.float64)
+        if self.tree_sizes:
+            out = out + _interp([1, *self.tree_sizes], [0.0, *self._branch_excess], n_arr)
+        out = out * self.scale
+        return float(out) if np.ndim(n) == 0 else out
+
+    @cached_property
+    def _branch_excess(self) -> list[float]:
+        """Per tree size, what a branched pass cost beyond a causal one of its size (never
+        less than 0, nor less than a smaller size's: timing noise)."""
+        sizes = np.asarray(self.tree_sizes, np.float64)
+        causal = _interp(self.sizes, self.seconds, sizes)
+        excess = np.maximum(np.asarray(self.tree_seconds, np.float64) - causal, 0.0)
+        return np.maximum.accumulate(excess).tolist()
 
     def measured_cost(self, n: int | np.ndarray) -> np.ndarray | float:
         """Interpolated measured cost of n tokens at the context `at`; linear extrapolation
@@ -155,10 +190,11 @@ class CostProfile:
             raise ValueError("unknown profile format")
         names = {f.name for f in fields(cls)} - _LIVE
         p = cls(**{k: v for k, v in d.items() if k in names})
-        for sizes, seconds in ((p.sizes, p.seconds), (p.long_sizes, p.long_seconds)):
+        pairs = (p.sizes, p.seconds), (p.long_sizes, p.long_seconds), (p.tree_sizes, p.tree_seconds)
+        for sizes, seconds in pairs:
             if len(sizes) != len(seconds) or sorted(sizes) != sizes:
                 raise ValueError("malformed profile")
-        if not p.sizes or (p.long_sizes and p.long_sizes[0] != 1):
+        if not p.sizes or (p.long_sizes and p.long_sizes[0] != 1) or 1 in p.tree_sizes:
             raise ValueError("malformed profile")
         return p
 
@@ -342,6 +378,16 @@ def measure_together(
         engine.feed(toks[:ctx], last_only=True)
         runs.append((engine, ctx, toks, {n: [] for n in sizes}))
     _time_rounds(runs, sizes, repeats, budget_s * len(engines))
+    # branched tree passes at the same context, for engines that have tree passes
+    from ondevice.runtime.engines import tree_engine
+
+    tree_sizes = [n for n in TREE_SIZES if n <= max(sizes)]
+    trees = {
+        i: (tree_engine(engine), ctx, toks, {n: [] for n in tree_sizes})
+        for i, (engine, ctx, toks, _) in enumerate(runs)
+        if hasattr(tree_engine(engine), "feed_masked")
+    }
+    _time_rounds(list(trees.values()), tree_sizes, repeats, budget_s, _branched_pass)
     # then at the long context: each engine's cache grown to it once, its sizes timed as above
     longs: list[tuple[Engine, int, list[int], dict[int, list[float]]]] = []
     for engine, ctx, toks, _ in runs:
@@ -355,9 +401,10 @@ def measure_together(
     _time_rounds(longs, LONG_SIZES, LONG_REPEATS)
     long_of = {id(engine): (end, times) for engine, end, _, times in longs}
     profiles = []
-    for engine, ctx, _, times in runs:
+    for i, (engine, ctx, _, times) in enumerate(runs):
         engine.reset()
         end, long_times = long_of.get(id(engine), (0, {}))
+        branched = tree_sizes if i in trees else []
         profiles.append(
             CostProfile(
                 list(sizes),
@@ -370,6 +417,8 @@ def measure_together(
                 long_context=end,
                 long_sizes=list(LONG_SIZES) if end else [],
                 long_seconds=_medians(long_times, LONG_SIZES) if end else [],
+                tree_sizes=branched,
+                tree_seconds=_medians(trees[i][3], branched) if branched else [],
             )  # fmt: skip
         )
     return profiles
@@ -385,10 +434,11 @@ def _time_rounds(
     sizes: Sequence[int],
     repeats: int,
     budget_s: float = float("inf"),
+    feed: Callable[[Engine, list[int]], object] = lambda engine, toks: engine.feed(toks),
 ) -> None:
     """Time `repeats` rounds of every engine's passes over `sizes` after its context (its
-    tokens up to `ctx`), engines in turn, each pass trimmed off again; fewer rounds (at least
-    3) past `budget_s`."""
+    tokens up to `ctx`), engines in turn, each pass (by `feed`) trimmed off again; fewer rounds
+    (at least 3) past `budget_s`."""
     start = time.perf_counter()
     for rep in range(repeats + 1):
         if rep > 3 and time.perf_counter() - start > budget_s:
@@ -396,10 +446,27 @@ def _time_rounds(
         for engine, ctx, toks, times in runs:
             for n in sizes:
                 t = time.perf_counter()
-                engine.feed(toks[ctx : ctx + n])
+                feed(engine, toks[ctx : ctx + n])
                 if rep:  # the first round only warms up (compilation, allocation)
                     times[n].append(time.perf_counter() - t)
                 engine.trim(n)
+
+
+def _branched_pass(engine: Engine, tokens: list[int]) -> None:
+    """A tree pass over `tokens` in two branches from the first: its first half a path, the
+    rest a second path below the first token (what `CostProfile.branched` prices)."""
+    n, base = len(tokens), engine.length
+    half = (n + 1) // 2
+    parents = [i - 1 for i in range(half)] + [0 if i == half else i - 1 for i in range(half, n)]
+    depths: list[int] = []
+    visible = np.zeros((n, base + n), dtype=bool)
+    visible[:, :base] = True
+    for i, p in enumerate(parents):
+        depths.append(depths[p] + 1 if p >= 0 else 0)
+        visible[i, base + i] = True
+        if p >= 0:
+            visible[i, base : base + n] |= visible[p, base:]
+    engine.feed_masked(tokens, [base + d for d in depths], visible)  # type: ignore[attr-defined]
 
 
 def _medians(times: dict[int, list[float]], sizes: Sequence[int]) -> list[float]:
@@ -567,6 +634,14 @@ def save_profile(path: Path, doc: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=1))
     tmp.replace(path)  # atomic: a crash never leaves half a profile
+
+
+def pass_cost(profile: CostProfile, tree: TokenTree) -> float:
+    """Estimated seconds of a verification pass over `tree`: a causal pass where it is a path
+    (a chain's, a plain step's), else a branched one (`CostProfile.branched`)."""
+    n = len(tree)
+    path = all(p == i - 1 for i, p in enumerate(tree.parents))
+    return float(profile(n) if path else profile.branched(n))
 
 
 def best_rate(
