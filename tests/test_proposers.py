@@ -344,6 +344,37 @@ def test_auto_prices_a_branched_tree_above_a_chain_of_its_size():
     assert tree.calls > 2 * chain.calls
 
 
+def _grown(path_values, side_values):
+    """A grown tree: a path of nodes with `path_values`, and below its first node a side node
+    per `side_values` (values by node - 1, nodes best first, as a dynamic tree orders them)."""
+    tree = TokenTree.root(0)
+    nodes = tree.add_path(range(1, len(path_values) + 1))
+    for k, _ in enumerate(side_values):
+        tree.add(nodes[0] if k % 2 else 0, 50 + k)
+    values = np.array([*path_values, *side_values])
+    order = np.argsort(-values, kind="stable") + 1
+    return tree, values, order
+
+
+def test_a_tree_keeps_side_nodes_only_where_they_pay_for_a_branched_pass():
+    """`cost_pick`: the best nodes priced as a branched pass, or the greedy path priced as a
+    causal one, whichever gives more tokens per second."""
+    from ondevice.proposers.base import cost_pick
+
+    tree, values, order = _grown([0.9, 0.8, 0.7, 0.6], [0.3, 0.3])
+    flat = CostProfile([1, 4, 8], [1.0, 1.02, 1.05], tree_sizes=[4, 8], tree_seconds=[1.02, 1.05])
+    dear = CostProfile([1, 4, 8], [1.0, 1.02, 1.05], tree_sizes=[4, 8], tree_seconds=[1.3, 1.4])
+    chosen = cost_pick(flat)(tree, values, order).tolist()
+    assert sorted(chosen) == [1, 2, 3, 4, 5, 6]  # the side nodes pay where branching is free
+    assert cost_pick(dear)(tree, values, order).tolist() == [1, 2, 3, 4]  # the path alone
+    # a side node worth more than the branched pass's excess is kept even so
+    tree, values, order = _grown([0.9, 0.5, 0.2], [0.85])
+    assert sorted(cost_pick(dear)(tree, values, order).tolist()) == [1, 2, 3, 4]
+    # nothing pays: a plain step
+    steep = CostProfile([1, 2], [1.0, 2.0], tree_sizes=[4], tree_seconds=[5.0])
+    assert cost_pick(steep)(*_grown([0.1, 0.05], [0.05])).tolist() == []
+
+
 def test_auto_falls_back_to_plain_steps_when_nothing_pays():
     steep = CostProfile([1, 2], [1.0, 2.0])  # every verified token costs a full pass
     weak = _Fixed("tree", 6, 1)  # 2 tokens per pass at cost 7

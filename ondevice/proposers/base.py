@@ -147,6 +147,37 @@ def cost_rate(verify: CostProfile | None, fixed: float = 0.0, cap: int = 64) -> 
     return lambda values, spent: best_rate(np.asarray(values)[:cap], verify, fixed + spent)[1]
 
 
+# (a grown tree of candidates, their values by node - 1, the nodes best first) -> the nodes to
+# verify, best first (parents before children)
+PickFn = Callable[[TokenTree, np.ndarray, np.ndarray], np.ndarray]
+
+
+def cost_pick(verify: CostProfile, fixed: float = 0.0, cap: int = 64) -> PickFn:
+    """Which of a grown tree's candidates to verify: the best n of them, their pass priced as
+    a tree whose rows branch (`CostProfile.branched`), or the best prefix of its greedy path
+    (each node its parent's most valuable child), priced as a causal pass, whichever gives
+    more tokens per second. A branched pass costs more than a causal one of its size (more so
+    after a long prompt): priced alike, trees bought side nodes that did not pay for it and
+    lost to the chain of the same draft (docs/benchmarks.md, "Session 31")."""
+
+    def pick(tree: TokenTree, values: np.ndarray, order: np.ndarray) -> np.ndarray:
+        order = order[:cap]
+        n, tree_rate = best_rate(values[order - 1], verify, fixed, branched=True)
+        best_child: dict[int, int] = {}
+        for node in range(1, len(tree)):
+            parent = tree.parents[node]
+            if parent not in best_child or values[node - 1] > values[best_child[parent] - 1]:
+                best_child[parent] = node
+        path, node = [], 0
+        while node in best_child and len(path) < cap:
+            node = best_child[node]
+            path.append(node)
+        m, path_rate = best_rate(values[np.asarray(path, int) - 1], verify, fixed)
+        return np.asarray(path[:m], int) if path_rate >= tree_rate else order[:n]
+
+    return pick
+
+
 class NoProposal:
     """Proposes nothing: each round is one plain decoding step (a candidate for `auto`, which
     should fall back to plain decoding where no proposer pays for itself)."""

@@ -12,9 +12,11 @@ import numpy as np
 from ondevice.proposers.base import (
     LONGEST_DRAFT,
     BudgetFn,
+    PickFn,
     RateFn,
     Verification,
     cost_budget,
+    cost_pick,
     cost_rate,
     fixed_budget,
 )
@@ -235,6 +237,7 @@ class DraftTreeProposer:
         sampled: bool = False,
         expand_cost: float | Callable[[int], float] = 0.0,
         rate: RateFn | None = None,
+        pick: PickFn | None = None,
         name: str = "tree",
     ):
         if mode not in ("dynamic", "static", "path"):
@@ -257,6 +260,7 @@ class DraftTreeProposer:
         self.expand_cost = expand_cost if callable(expand_cost) else (lambda n: expand_cost)
         self._sized = callable(expand_cost)  # whether fewer nodes may cost less
         self.rate = rate
+        self.pick = pick  # dynamic mode: chooses the nodes to verify in `budget`'s place
         # how well the draft's probabilities predict acceptance, per depth (shared: see there)
         self.predicted, self.realised = self.state.calibration(depth + 2)
         self._cand: TokenTree | None = None
@@ -333,11 +337,14 @@ class DraftTreeProposer:
                 dists[node] = self._dist(row, cand, node)
         vals = np.array(value[1:])
         order = np.argsort(-vals, kind="stable") + 1  # parents precede children on ties
-        # may be 0: where even the best node does not pay for its verification, this round is
-        # a plain step (confident rounds still speculate, so the calibration keeps learning)
-        n = max(0, min(int(self.budget(vals[order - 1])), len(order)))
-        tree, kept = cand.subtree(order[:n].tolist())
-        self.expected = 1.0 + float(vals[order[:n] - 1].sum())
+        # may be none: where even the best node does not pay for its verification, this round
+        # is a plain step (confident rounds still speculate, so the calibration keeps learning)
+        if self.pick is not None:
+            chosen = self.pick(cand, vals, order)
+        else:
+            chosen = order[: max(0, min(int(self.budget(vals[order - 1])), len(order)))]
+        tree, kept = cand.subtree(chosen.tolist())
+        self.expected = 1.0 + float(vals[chosen - 1].sum())
         pred = np.zeros(len(self.predicted))
         for node in kept[1:]:
             pred[min(cand.depths[node], len(pred) - 1)] += raw[node]
@@ -460,4 +467,5 @@ def build_tree(res: Resources, spec: Speculation) -> DraftTreeProposer:
         depth=spec.num_draft_tokens or LONGEST_DRAFT, topk=topk,
         budget=cost_budget(res.verify_cost, fixed), expand_cost=res.draft_expand,
         rate=cost_rate(res.verify_cost, fixed),
+        pick=cost_pick(res.verify_cost, fixed) if res.verify_cost is not None else None,
     )  # fmt: skip

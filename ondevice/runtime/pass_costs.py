@@ -645,16 +645,22 @@ def pass_cost(profile: CostProfile, tree: TokenTree) -> float:
 
 
 def best_rate(
-    values: np.ndarray, verify: CostProfile, fixed: float = 0.0, per_node: float = 0.0
+    values: np.ndarray,
+    verify: CostProfile,
+    fixed: float = 0.0,
+    per_node: float = 0.0,
+    *,
+    branched: bool = False,
 ) -> tuple[int, float]:
     """How many proposals to verify, and the tokens per second that gives: values[i] is the
     (estimated) probability that the i-th best proposal is accepted, so verifying the best n
     yields 1 + sum(values[:n]) tokens per pass on average, at cost fixed + per_node * n
-    (drafting) + verify(n + 1). Returns the n that maximises tokens per second, and that rate."""
+    (drafting) + verify(n + 1) (`verify.branched(n + 1)` with `branched`: a tree whose rows
+    branch). Returns the n that maximises tokens per second, and that rate."""
     vals = np.sort(np.asarray(values, np.float64))[::-1]
     n = np.arange(len(vals) + 1)
     gain = 1.0 + np.concatenate([[0.0], np.cumsum(vals)])
-    cost = fixed + per_node * n + np.asarray(verify(n + 1))
+    cost = fixed + per_node * n + np.asarray((verify.branched if branched else verify)(n + 1))
     rate = gain / np.maximum(cost, 1e-12)
     best = int(np.argmax(rate))
     return best, float(rate[best])
