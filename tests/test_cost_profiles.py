@@ -201,6 +201,7 @@ def test_a_profile_times_branched_tree_passes_where_the_engine_has_them(home, tm
     for k in (2, 4, 6, 8, 12):
         assert prof.branched(k) >= prof(k)
     assert prof.branched(1) == prof(1)
+    assert f"branched trees {{4: {prof.branched(4) * 1000:.0f}, " in prof.describe()  # doctor
     stale = replace(prof, stale=True, live_ratio=3.0)
     assert stale.branched(8) == pytest.approx(3.0 * prof.branched(8))
     assert stale.as_measured().branched(8) == prof.branched(8)

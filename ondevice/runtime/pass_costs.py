@@ -216,6 +216,11 @@ class CostProfile:
             costs += f"}} after {self.long_context}"
         else:
             costs += "}"
+        if self.tree_sizes:
+            costs += ", branched trees {" + ", ".join(
+                f"{n}: {self.as_measured().branched(n) * 1000:.0f}" for n in (4, 8)
+            )
+            costs += "}"
         age = (
             f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(self.measured))}"
             if self.measured
