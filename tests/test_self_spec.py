@@ -411,6 +411,45 @@ def test_a_self_draft_scoring_fewer_ids_changes_no_token(tmp_path, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+def test_without_a_one_row_implementation_the_draft_reads_the_heads_first_rows_in_place(
+    tmp_path, monkeypatch, kind
+):
+    """Where the CPU has no faster one-row implementation (AMD's Zen: no AMX), the default
+    reading is the verifier's own layers with the head's first `DRAFT_VOCAB` rows, read from
+    the head's own buffer (nothing copied), and self-speculation still gives plain's tokens."""
+    if kind == "bf16" and kernel.choice() != "bf16":
+        pytest.skip("no bf16 kernel here")
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))  # its skip set is its own
+    monkeypatch.setattr(kernel, "one_row_impl", lambda: None)
+    monkeypatch.setattr(kernel, "DRAFT_VOCAB", 64)  # the head's first 64 ids of 96
+    path = tiny.write_model(tmp_path / "q", seed=3, layers=LAYERS, arch="qwen2", tie=True)
+    m = load_model(path, dequantize=True).model
+    kernel.serve(m, kind)
+    reading = layer_skip.self_reading(m, range(LAYERS))
+    if reading is None:  # a packed head whose first 64 rows are not laid out as one
+        assert m.head._packed and m.head.prefix(64) is None
+        return
+    assert reading.kind == "head-prefix" and reading.layers == {}
+    assert reading.head.out_features == 64 and reading.head._weight_ptr == m.head._weight_ptr
+    keep = [0, 2, 3, LAYERS - 1]
+    view = layer_skip.LayerSkipView(m, keep, reading)
+    assert all(view.layers[j] is m.layers[i] for j, i in enumerate(keep))  # the same modules
+    assert view.config.draft_vocab_size == 64
+    _profiled(m)
+    layer_skip._MEMORY.clear()
+    for prompt in _prompts():
+        dec = make_decoder(MLXEngine(m), None, SamplingParams(), Speculation(method="self"))
+        assert [t for r in dec.run(prompt, 24) for t in r.tokens] == _plain_greedy(m, prompt, 24)
+    found = layer_skip.cached_skip_set(m)
+    assert found is not None and found.reading == "head-prefix"
+    assert "the head's first rows only" in found.describe()
+    # a larger vocabulary than the head has: nothing to leave out, the verifier's own head
+    monkeypatch.setattr(kernel, "DRAFT_VOCAB", 96)
+    assert layer_skip.self_reading(m, keep) is None
+
+
+@needs_kernel
 def test_the_int8_drafts_cost_is_measured_and_falls_with_the_layers_skipped(tmp_path):
     m = _served(tmp_path, "llama")
     reading = layer_skip.int8_reading(m, range(LAYERS))

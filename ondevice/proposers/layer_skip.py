@@ -13,6 +13,9 @@ loaded.
   three quarters of a verifier pass, no byte of memory more), or, asked for with
   `ONDEVICE_SELF_READING=int8`, int8 copies of the kept layers and of the head's first 65,536
   rows (`int8_reading`: half the bytes a step, about one byte per kept weight of memory).
+  Where the CPU has no faster one-row implementation (AMD's Zen: no AMX), the draft still
+  reads only the head's first 65,536 rows, in place (`head_prefix_reading`): the verifier's
+  151,936-row head is about a seventh of its pass.
 - `search_skip_set`: which layers to skip, found by measurement. Over one text (the first
   prompt the method sees and the verifier's own greedy continuation of it), chains of the
   draft's greedy tokens from each of its last positions, computed as rounds compute them (the
@@ -135,7 +138,8 @@ class LayerSkipView(Model):
 @dataclass
 class Reading:
     """Other modules for a model's layers (by index) and its head, read by a `LayerSkipView`.
-    kind: `int8` (copies, `int8_reading`) or `one-row` (the same weights, `one_row_reading`)."""
+    kind: `int8` (copies, `int8_reading`), `one-row` (the same weights, `one_row_reading`) or
+    `head-prefix` (the same layers, the head's first rows: `head_prefix_reading`)."""
 
     layers: dict[int, nn.Module]
     head: nn.Module
@@ -156,15 +160,18 @@ def self_reading(model: Model, layers: Sequence[int], kind: str | None = None) -
     verifier's own products. kind: a skip set's (`int8`, `one-row` or `shared`, as searched);
     None: as asked (`reading_asked`): int8 copies where asked and the CPU kernel serves the
     model, else the verifier's weights by the kernel's one-row implementation where it has one
-    (`one_row_reading`), else the verifier's products."""
+    (`one_row_reading`), else the verifier's products with the head's first rows only
+    (`head_prefix_reading`), else the verifier's products as they are."""
     if kind is None:  # as asked: copies where they can be made, else the one-row reading
         if reading_asked() == "int8":
             found = int8_reading(model, layers)
             if found is not None:
                 return found
-        return one_row_reading(model, layers)
+        return one_row_reading(model, layers) or head_prefix_reading(model)
     if kind == "int8":
         return int8_reading(model, layers)
+    if kind == "head-prefix":
+        return head_prefix_reading(model)
     return one_row_reading(model, layers) if kind == "one-row" else None
 
 
@@ -187,6 +194,19 @@ def one_row_reading(model: Model, layers: Sequence[int]) -> Reading | None:
     from ondevice.runtime import kernel
 
     return _read_through(model, layers, kernel.one_row_reading, "one-row")
+
+
+def head_prefix_reading(model: Model) -> Reading | None:
+    """The verifier's own layers and products, and its head's first `kernel.DRAFT_VOCAB` rows
+    read in place (`kernel.first_rows_in_place`: nothing copied; ids past them are never
+    drafted, and the rule stays exact). None where the head cannot be read so. For CPUs
+    without a faster one-row implementation: on the default verifier (AMD Zen 4, coding) the
+    search predicted 1.07x plain decoding with the whole head and 1.13x with its first 65,536
+    rows (docs/benchmarks.md, "Session 31")."""
+    from ondevice.runtime import kernel
+
+    head = kernel.first_rows_in_place(model.head, kernel.DRAFT_VOCAB)
+    return Reading({}, head, "head-prefix") if head is not None else None
 
 
 def int8_reading(model: Model, layers: Sequence[int]) -> Reading | None:
@@ -563,7 +583,7 @@ class SelfDraftProposer:
         kept = (self.skip_set.reading, tuple(keep))
         held = getattr(self.model, "_self_reading", None)
         if reading is not None:  # the skipped layers' readings go
-            reading.layers = {i: reading.layers[i] for i in keep}
+            reading.layers = {i: reading.layers[i] for i in keep if i in reading.layers}
         elif held is not None and held[0] == kept:
             reading = held[1]
         else:

@@ -1787,6 +1787,18 @@ def one_row_reading(module: nn.Module, rows: int | None = None) -> nn.Module | N
     return _copy_products(module, lambda m: m._dtype == _BF16, read)
 
 
+def first_rows_in_place(module: nn.Module, rows: int) -> KernelLinear | None:
+    """A served head's products over its first `rows` outputs that read its own buffer
+    (nothing copied; a tied embedding is read as the head it is): a row-major weight's first
+    rows always, a packed one's where `KernelLinear.prefix` finds them laid out as one. None
+    where the head has no more rows than that, is int8, or is not the kernel's."""
+    if not isinstance(module, KernelLinear) or module._dtype == _S8:
+        return None
+    if rows >= module.out_features:
+        return None
+    return module.prefix(rows) if module._packed else module.first_outputs(rows)
+
+
 def _as_product(m: KernelLinear) -> KernelLinear:
     """A shallow copy of `m` (the same weight buffer, pointers and bias) that is a plain
     `KernelLinear`: a tied embedding's copy computes the head's products, not lookups."""

@@ -694,9 +694,10 @@ class SkipSet:
         tokens are all the verifier's (reach[0] is `agreement`).
     draft_fraction: a draft pass's cost as a share of a verifier pass (the kept share of the
         weights read, or measured where the draft reads int8 copies).
-    reading: `shared` (the draft computes with the verifier's own products), `one-row` (the
-        verifier's weights through the CPU kernel's one-row implementation) or `int8` (int8
-        copies of the kept layers and of the head's first rows), as searched
+    reading: `shared` (the draft computes with the verifier's own products), `head-prefix`
+        (those, with the head's first rows only, read in place), `one-row` (the verifier's
+        weights through the CPU kernel's one-row implementation) or `int8` (int8 copies of the
+        kept layers and of the head's first rows), as searched
         (`layer_skip.self_reading`).
     speedup: the predicted tokens per second over plain decoding of a draft chain that reaches
         as far (the best chain length the search tried; below 1: none pays). tried: [skip,
@@ -736,6 +737,7 @@ class SkipSet:
         copies = {
             "int8": ", int8 copies of the kept layers",
             "one-row": ", the verifier's weights read by the kernel's one-row implementation",
+            "head-prefix": ", the head's first rows only",
         }.get(self.reading, "")
         return (
             f"{self.model + ': ' if self.model else ''}skips {len(self.skip)} of {self.layers} "
