@@ -158,7 +158,7 @@ def cost_pick(verify: CostProfile, fixed: float = 0.0, cap: int = 64) -> PickFn:
     (each node its parent's most valuable child), priced as a causal pass, whichever gives
     more tokens per second. A branched pass costs more than a causal one of its size (more so
     after a long prompt): priced alike, trees bought side nodes that did not pay for it and
-    lost to the chain of the same draft (docs/benchmarks.md, "Session 31")."""
+    lost to the chain of the same draft (docs/benchmarks.md, "session 31")."""
 
     def pick(tree: TokenTree, values: np.ndarray, order: np.ndarray) -> np.ndarray:
         order = order[:cap]

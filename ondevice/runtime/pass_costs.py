@@ -73,10 +73,9 @@ LONG_REPEATS = 4
 # Sizes a tree pass whose rows branch is timed at too (`CostProfile.branched`): attention lays
 # each branched row's keys out as a pass over its path would (`kernel._path_layout`, which
 # keeps rows batch-invariant), work a causal pass does not do. Measured on the default pair
-# (Zen 4, docs/benchmarks.md, "Session 31"), a pass with two branches cost 6-12% more than a
-# causal pass of 8-16 tokens for the verifier and 10-20% more for the draft, so trees priced
-# as causal passes bought branches that did not pay and `auto` preferred trees to chains
-# where the clock said otherwise.
+# (Zen 4, docs/benchmarks.md, "session 31"), a pass of 8-16 tokens in two branches cost up to
+# 16% more than a causal one for the verifier (more after a long prompt) and 13-28% more for
+# the draft, so trees priced as causal passes bought branches that did not pay.
 TREE_SIZES = (4, 8, 16)
 # 2: the engine's key names the kernel serving its products; 3: costs at a long context too;
 # 4: branched tree passes too
