@@ -319,6 +319,19 @@ needs_avx512_bf16 = pytest.mark.skipif(
 
 @needs_avx512_bf16
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def _self_gives_plains_tokens(m) -> layer_skip.SkipSet:
+    """Method `self` on `m` (its skip set searched under a fixed profile) gives plain greedy
+    decoding's tokens on every test prompt; the skip set it cached."""
+    _profiled(m)
+    layer_skip._MEMORY.clear()
+    for prompt in _prompts():
+        dec = make_decoder(MLXEngine(m), None, SamplingParams(), Speculation(method="self"))
+        assert [t for r in dec.run(prompt, 24) for t in r.tokens] == _plain_greedy(m, prompt, 24)
+    found = layer_skip.cached_skip_set(m)
+    assert found is not None
+    return found
+
+
 def test_a_self_draft_reads_the_verifiers_own_weights_by_the_one_row_implementation(
     tmp_path, arch, monkeypatch
 ):
@@ -369,13 +382,8 @@ def test_a_self_draft_reads_the_verifiers_own_weights_by_the_one_row_implementat
     # faster there than AVX512-BF16 on the same buffer), which the draft reads as it does
     assert any(t for t, _ in impls) == kernel.transposes()
     monkeypatch.setattr(kernel._Plan, "run", run)
-    _profiled(m)
-    layer_skip._MEMORY.clear()
-    for prompt in _prompts():
-        dec = make_decoder(MLXEngine(m), None, SamplingParams(), Speculation(method="self"))
-        assert [t for r in dec.run(prompt, 24) for t in r.tokens] == _plain_greedy(m, prompt, 24)
-    found = layer_skip.cached_skip_set(m)
-    assert found is not None and found.reading == "one-row" and "one-row" in found.describe()
+    found = _self_gives_plains_tokens(m)
+    assert found.reading == "one-row" and "one-row" in found.describe()
     assert "-shared-" in layer_skip.skip_set_path(m).name  # cached for the reading asked for
 
 
@@ -436,13 +444,8 @@ def test_without_a_one_row_implementation_the_draft_reads_the_heads_first_rows_i
     view = layer_skip.LayerSkipView(m, keep, reading)
     assert all(view.layers[j] is m.layers[i] for j, i in enumerate(keep))  # the same modules
     assert view.config.draft_vocab_size == 64
-    _profiled(m)
-    layer_skip._MEMORY.clear()
-    for prompt in _prompts():
-        dec = make_decoder(MLXEngine(m), None, SamplingParams(), Speculation(method="self"))
-        assert [t for r in dec.run(prompt, 24) for t in r.tokens] == _plain_greedy(m, prompt, 24)
-    found = layer_skip.cached_skip_set(m)
-    assert found is not None and found.reading == "head-prefix"
+    found = _self_gives_plains_tokens(m)
+    assert found.reading == "head-prefix"
     assert "the head's first rows only" in found.describe()
     # a larger vocabulary than the head has: nothing to leave out, the verifier's own head
     monkeypatch.setattr(kernel, "DRAFT_VOCAB", 96)
