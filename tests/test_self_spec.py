@@ -311,14 +311,6 @@ def test_on_the_cpu_kernel_the_draft_reads_int8_copies_of_the_kept_layers(
     assert found.draft_fraction > 0  # measured (a tiny model's int8 step is glue: not < 1)
 
 
-needs_avx512_bf16 = pytest.mark.skipif(
-    not kernel.available() or "avx512_bf16" not in kernel._cpu_flags(),
-    reason="no AVX512-BF16 products here",
-)
-
-
-@needs_avx512_bf16
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def _self_gives_plains_tokens(m) -> layer_skip.SkipSet:
     """Method `self` on `m` (its skip set searched under a fixed profile) gives plain greedy
     decoding's tokens on every test prompt; the skip set it cached."""
@@ -332,6 +324,14 @@ def _self_gives_plains_tokens(m) -> layer_skip.SkipSet:
     return found
 
 
+needs_avx512_bf16 = pytest.mark.skipif(
+    not kernel.available() or "avx512_bf16" not in kernel._cpu_flags(),
+    reason="no AVX512-BF16 products here",
+)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_self_draft_reads_the_verifiers_own_weights_by_the_one_row_implementation(
     tmp_path, arch, monkeypatch
 ):
