@@ -92,13 +92,7 @@ class TokenTree:
 
     def ancestors(self) -> np.ndarray:
         """Boolean (N, N): [i, j] is True when j is i or an ancestor of i."""
-        n = len(self.tokens)
-        anc = np.zeros((n, n), dtype=bool)
-        for i, p in enumerate(self.parents):
-            if p >= 0:
-                anc[i] = anc[p]
-            anc[i, i] = True
-        return anc
+        return ancestry(self.parents)
 
     def positions(self, root_position: int) -> np.ndarray:
         return root_position + np.asarray(self.depths, dtype=np.int32)
@@ -124,6 +118,18 @@ class TokenTree:
             node = new_index[old]
             out.draws[node] = [(t, q) for t, q in self.draws[old] if t in out.children[node]]
         return out, kept
+
+
+def ancestry(parents: Sequence[int]) -> np.ndarray:
+    """Boolean (N, N) of nodes given by their parents (-1: a root; parents before children):
+    [i, j] is True when j is i or an ancestor of i."""
+    n = len(parents)
+    anc = np.zeros((n, n), dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            anc[i] = anc[p]
+        anc[i, i] = True
+    return anc
 
 
 # -- static tree shapes ----------------------------------------------------------------------

@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from ondevice.rules.engine import Engine
-from ondevice.rules.token_tree import TokenTree
+from ondevice.rules.token_tree import TokenTree, ancestry
 
 # Small sizes finely (on a CPU the choice between 1, 2 and 3 drafts hinges on them), large ones
 # coarsely (only a GPU, where a pass costs about the same up to dozens of tokens, reaches them).
@@ -386,10 +386,11 @@ def measure_together(
     from ondevice.runtime.engines import tree_engine
 
     tree_sizes = [n for n in TREE_SIZES if n <= max(sizes)]
+    wrapped = [tree_engine(engine) for engine, *_ in runs]
     trees = {
-        i: (tree_engine(engine), ctx, toks, {n: [] for n in tree_sizes})
-        for i, (engine, ctx, toks, _) in enumerate(runs)
-        if hasattr(tree_engine(engine), "feed_masked")
+        i: (tree, ctx, toks, {n: [] for n in tree_sizes})
+        for i, (tree, (_, ctx, toks, _)) in enumerate(zip(wrapped, runs))
+        if hasattr(tree, "feed_masked")
     }
     _time_rounds(list(trees.values()), tree_sizes, repeats, budget_s, _branched_pass)
     # then at the long context: each engine's cache grown to it once, its sizes timed as above
@@ -462,15 +463,10 @@ def _branched_pass(engine: Engine, tokens: list[int]) -> None:
     n, base = len(tokens), engine.length
     half = (n + 1) // 2
     parents = [i - 1 for i in range(half)] + [0 if i == half else i - 1 for i in range(half, n)]
-    depths: list[int] = []
-    visible = np.zeros((n, base + n), dtype=bool)
-    visible[:, :base] = True
-    for i, p in enumerate(parents):
-        depths.append(depths[p] + 1 if p >= 0 else 0)
-        visible[i, base + i] = True
-        if p >= 0:
-            visible[i, base : base + n] |= visible[p, base:]
-    engine.feed_masked(tokens, [base + d for d in depths], visible)  # type: ignore[attr-defined]
+    own = ancestry(parents)
+    visible = np.concatenate([np.ones((n, base), dtype=bool), own], axis=1)
+    depths = own.sum(axis=1) - 1  # a node's ancestors
+    engine.feed_masked(tokens, base + depths, visible)  # type: ignore[attr-defined]
 
 
 def _medians(times: dict[int, list[float]], sizes: Sequence[int]) -> list[float]:
