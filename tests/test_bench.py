@@ -287,3 +287,58 @@ def test_bad_method_and_missing_draft(pair, prompts, tmp_path, capsys):
     assert main(argv) == 1
     assert "'chain' needs a draft model" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_repeats_alternate_the_order_and_keep_each_runs_median(
+    pair, prompts, tmp_path, capsys, monkeypatch
+):
+    """`--repeats 3`: each prompt's runs go forward, backward, forward; a run's record is the
+    repeat with the median decode time, every repeat's times beside it; a repeat that breaks
+    the lossless contract fails the run even when another repeat is the median."""
+    from ondevice.speedtest.runner import Bench
+
+    calls: list[str] = []
+    original_run = Bench.run_one
+
+    def run_one(self, method, ids, max_tokens, k=3):
+        calls.append(method)
+        return original_run(self, method, ids, max_tokens, k)
+
+    monkeypatch.setattr(Bench, "run_one", run_one)
+    out = tmp_path / "r.json"
+    argv = ("--methods", "chain,tree", "--repeats", "3", "--no-plot", "--no-warmup")
+    assert bench(pair, prompts, out, *argv) == 0
+    assert "median repeat" in capsys.readouterr().out
+    forward = ["plain", "chain", "tree"]
+    assert calls == (forward + forward[::-1] + forward) * 4
+    r = json.loads(out.read_text())
+    assert r["settings"]["repeats"] == 3
+    recs = r["records"]
+    assert [x["method"] for x in recs] == forward * 4  # one record per run and prompt
+    for x in recs:
+        times = x["repeats_decode_s"]
+        assert len(times) == 3 and x["decode_s"] == sorted(times)[1]
+        assert x["tokens_per_second"] == pytest.approx(x["decode_tokens"] / x["decode_s"])
+    assert r["greedy_outputs_match"] is True
+
+    # the tree's second repeat (of each prompt) draws a wrong token: flagged, exit 1
+    calls.clear()
+    original_steps = Bench._ondevice_steps
+
+    def corrupt(self, method, ids, max_tokens, out):
+        nth = calls.count("tree")
+        for i, (toks, flags) in enumerate(original_steps(self, method, ids, max_tokens, out)):
+            if method == "tree" and nth % 3 == 2 and i == 1:
+                toks = [(toks[0] + 1) % 96, *toks[1:]]
+            yield toks, flags
+
+    monkeypatch.setattr(Bench, "_ondevice_steps", corrupt)
+    assert bench(pair, prompts, out, *argv) == 1
+    r = json.loads(out.read_text())
+    assert {(b["method"], b["first_mismatch"]) for b in r["mismatches"]} == {("tree", 1)}
+    assert len(r["mismatches"]) == 4
+
+
+def test_repeats_must_be_positive(pair, prompts, tmp_path, capsys):
+    assert bench(pair, prompts, tmp_path / "r.json", "--repeats", "0") == 1
+    assert "--repeats must be 1 or more" in capsys.readouterr().err

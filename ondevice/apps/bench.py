@@ -70,6 +70,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run mlx-lm's speculative decoding once per fixed K (e.g. 2,3,5; mlx-lm's default "
         "is 3) instead of once at ondevice's mean K",
     )
+    g.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run each prompt's methods N times in alternating order and keep each run's "
+        "median repeat (default 1; 3 or more where runs differ by less than the machine's "
+        "noise)",
+    )
     g.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
     out = p.add_argument_group("output")
     out.add_argument(
@@ -94,6 +103,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise OndeviceError(f"--temp must be >= 0, got {args.temp}.")
     if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
         raise OndeviceError(f"--num-draft-tokens must be 1 or more, got {args.num_draft_tokens}.")
+    if args.repeats < 1:
+        raise OndeviceError(f"--repeats must be 1 or more, got {args.repeats}.")
     args.peer_draft_tokens = options.integers(args.peer_draft_tokens, "--peer-draft-tokens")
     if any(k < 1 for k in args.peer_draft_tokens):
         raise OndeviceError(f"--peer-draft-tokens must be 1 or more, got {args.peer_draft_tokens}.")
@@ -161,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         peers=tuple(dict.fromkeys(args.peers)),
         peer_draft_tokens=tuple(args.peer_draft_tokens),
         warmup=not args.no_warmup,
+        repeats=args.repeats,
     )
     settings = {
         "prompts_file": str(prompts_file),

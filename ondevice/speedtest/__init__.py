@@ -82,7 +82,14 @@ def run_bench(
             "peers": list(options.peers),
             "timing": "tokens_per_second = tokens after the first verifier pass / time from "
             "that pass to the last token (prefill excluded); speedup = that rate over plain "
-            "decoding's on the same prompts, run interleaved",
+            "decoding's on the same prompts, run interleaved"
+            + (
+                f"; each run {options.repeats} times in alternating order, its record the "
+                "repeat with the median decode time"
+                if options.repeats > 1
+                else ""
+            ),
+            "repeats": options.repeats,
             **(settings or {}),
         },
         "prompts": {
@@ -133,7 +140,7 @@ def _measure(
 
     records: list[dict] = []
     with tqdm(
-        total=len(encoded) * len(bench.runs),
+        total=len(encoded) * len(bench.runs) * max(1, bench.options.repeats),
         desc="bench",
         unit="run",
         disable=not progress,
@@ -146,7 +153,7 @@ def _measure(
                 bar.set_postfix_str(f"{p.category}/{p.question_id} {method}")
 
             recs = bench.run_prompt(p, ids, tick)
-            bar.update(len(recs))
+            bar.update(len(recs) * max(1, bench.options.repeats))
             records.extend(recs)
     return records
 

@@ -225,6 +225,9 @@ def table(results: dict[str, Any]) -> str:
         "tokens per verifier pass; draft%: draft share of draft+verify time; mem: weights used "
         "+ working memory)"
     )
+    repeats = results.get("settings", {}).get("repeats", 1)
+    if repeats > 1:
+        lines.append(f"(each prompt's runs done {repeats} times; each run's median repeat counts)")
     cats = [c for c in agg.get("plain", {}) if c != ALL]
     shown = [m for m in methods if m != "plain"]
     if cats and shown:
