@@ -555,8 +555,8 @@ class SelfDraftProposer:
     then on a tree of the layer-skipped view's guesses is grown by a `DraftTreeProposer` (the
     best `TREE_TOPK` children of a level's best nodes, each level's pass and the verified
     nodes sized by the cost profiles, up to `depth` deep), as the "tree" method grows a draft
-    model's: a chain where the view is sure, side nodes where they pay. On dev coding the
-    tree took 2.61 tokens a pass where the chain took 2.46 (docs/benchmarks.md, "session 32")."""
+    model's: a chain where the view is sure, side nodes where they pay (docs/benchmarks.md,
+    "Issues 26 and 30, session 32")."""
 
     name = "self"
 

@@ -47,7 +47,8 @@ class BenchOptions:
     warmup: bool = True
     # Each prompt's runs done this many times, in alternating order (forward, then backward, so
     # a drift of the machine's speed over a prompt hits the runs alike); a run's record is the
-    # repeat with the median decode time. One run's time moves by 10-17% on a shared 2-core VM.
+    # repeat with the median decode time (on a shared machine one run's time moves by more than
+    # the differences between methods: docs/benchmarks.md, "Issues 26 and 30, session 32").
     repeats: int = 1
 
 
@@ -273,12 +274,17 @@ def _median_repeat(recs: Sequence[dict]) -> dict:
         rec["matches_reference"], rec["first_mismatch"] = False, failed["first_mismatch"]
         rec["reference"] = failed["reference"]
     elif differs is not None and rec.get("matches_reference") is not None:
-        first = next(
-            (i for i, (x, y) in enumerate(zip(differs["tokens"], recs[0]["tokens"])) if x != y),
-            min(len(differs["tokens"]), len(recs[0]["tokens"])),
-        )
+        first = _first_difference(differs["tokens"], recs[0]["tokens"])
         rec["matches_reference"], rec["first_mismatch"] = False, first
     return rec
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Where two token lists first differ (the shorter one's length where one extends the
+    other); None where they are equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _consume(steps: Iterable[tuple[list[int], list[bool]]]):
@@ -321,9 +327,9 @@ def _check_against_plain(
         if ref is None or temp > 0 or ref not in by_method:
             rec["reference"], rec["matches_reference"], rec["first_mismatch"] = None, None, None
             continue
-        a, b = rec["tokens"], by_method[ref]["tokens"]
-        same = a == b
-        first = None
-        if not same:
-            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        rec["reference"], rec["matches_reference"], rec["first_mismatch"] = ref, same, first
+        first = _first_difference(rec["tokens"], by_method[ref]["tokens"])
+        rec["reference"], rec["matches_reference"], rec["first_mismatch"] = (
+            ref,
+            first is None,
+            first,
+        )
