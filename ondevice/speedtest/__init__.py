@@ -140,7 +140,7 @@ def _measure(
 
     records: list[dict] = []
     with tqdm(
-        total=len(encoded) * len(bench.runs) * max(1, bench.options.repeats),
+        total=len(encoded) * len(bench.runs) * bench.repeats,
         desc="bench",
         unit="run",
         disable=not progress,
@@ -153,7 +153,7 @@ def _measure(
                 bar.set_postfix_str(f"{p.category}/{p.question_id} {method}")
 
             recs = bench.run_prompt(p, ids, tick)
-            bar.update(len(recs) * max(1, bench.options.repeats))
+            bar.update(len(recs) * bench.repeats)
             records.extend(recs)
     return records
 

@@ -80,6 +80,7 @@ class Bench:
         self.gen = gen
         self.options = options
         self.runs = method_runs(gen, options)
+        self.repeats = max(1, options.repeats)  # each prompt's runs, done this many times
         self.eos = frozenset(gen.tokenizer.eos_token_ids)
         self.verifier_bytes = param_bytes(gen.verifier.model)
         draft = draft_mlx_model(gen)
@@ -230,12 +231,12 @@ class Bench:
         self, prompt: BenchPrompt, ids: list[int], tick: Callable[[str], None]
     ) -> list[dict]:
         """Every run on one prompt, `repeats` times; one record per run (its median repeat)."""
-        repeats: list[dict[str, dict]] = []
-        for rep in range(max(1, self.options.repeats)):
+        done: list[dict[str, dict]] = []  # per repeat, its record of each run
+        for rep in range(self.repeats):
             by_method: dict[str, dict] = {}
             for method in self.runs if rep % 2 == 0 else self.runs[::-1]:
                 tick(method)
-                chain = by_method.get("chain") or (repeats[0].get("chain") if repeats else None)
+                chain = by_method.get("chain") or (done[0].get("chain") if done else None)
                 k = self.options.num_draft_tokens or _mean_k(chain)
                 rec = self.run_one(method, ids, self.options.max_tokens, k)
                 by_method[method] = {
@@ -247,8 +248,8 @@ class Bench:
             _check_against_plain(
                 list(by_method.values()), by_method, self.options.temperature, same
             )
-            repeats.append(by_method)
-        return [_median_repeat([r[m] for r in repeats]) for m in self.runs]
+            done.append(by_method)
+        return [_median_repeat([r[m] for r in done]) for m in self.runs]
 
 
 def _median_repeat(recs: Sequence[dict]) -> dict:
